@@ -1,0 +1,280 @@
+"""The in-process engine: continuous batching around one speculative step loop (DESIGN.md §2).
+
+    drafts = proposer.propose(queries)           # γ_r per request
+    K      = policy.choose_budget(drafts)
+    ℓ      = policy.plan_verification(drafts, K)
+    result = target.verify(plan)                 # one varlen forward + acceptance
+    state  = commit(...)                         # the only state change
+    rollback both caches; release finished requests
+
+Every step feeds each request's uncached committed tokens and its admitted drafts, so a new
+request's prefill and a running request's verify block share the same batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.coordinator.commit import commit
+from dspark.coordinator.policy import Policy, make_policy
+from dspark.coordinator.request import GenerationResult, Request
+from dspark.demo import demo_path
+from dspark.draft_worker.draft_model import DraftModelProposer
+from dspark.draft_worker.ngram import NgramProposer
+from dspark.draft_worker.proposer import NoProposer, Proposer
+from dspark.messages import DraftQuery, Drafts, NewRequest, StepState, VerifyPlan
+from dspark.models.tokenizer import Tokenizer
+from dspark.sampling_params import SamplingParams
+from dspark.target_worker.runner import TargetRunner
+
+logger = logging.getLogger(__name__)
+
+PROPOSERS = ("draft-model", "ngram", "none")
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    busy_seconds: float = 0.0
+
+
+class Engine:
+    """Lossless speculative decoding in one process.
+
+    Example:
+        >>> from dspark import Engine, SamplingParams
+        >>> engine = Engine(proposer="ngram", policy="fixed", k=3)
+        >>> out = engine.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=8))
+        >>> len(out[0].token_ids) <= 8
+        True
+    """
+
+    def __init__(
+        self,
+        target: str | Path | None = None,
+        proposer: str | None = None,
+        drafter: str | Path | None = None,
+        policy: str | None = None,
+        k: int | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        max_num_seqs: int = 64,
+        num_blocks: int = 4096,
+        block_size: int = 16,
+        seed: int = 0,
+    ) -> None:
+        target_dir = Path(target) if target is not None else demo_path("target")
+        proposer = proposer or "draft-model"
+        if proposer not in PROPOSERS:
+            raise ValueError(f"proposer={proposer!r}: choose one of {list(PROPOSERS)}")
+        policy = policy or ("off" if proposer == "none" else "fixed")
+        k = 4 if k is None else k
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
+        self.tokenizer = Tokenizer(target_dir)
+        self.target = TargetRunner(target_dir, num_blocks, block_size, dtype)
+        self.proposer = self._make_proposer(proposer, drafter, num_blocks, block_size, dtype)
+        self.policy: Policy = make_policy(policy, k)
+        self.max_k = k
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.max_model_len = self.target.max_model_len
+        if isinstance(self.proposer, DraftModelProposer):
+            self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
+        eos = set(self.target.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.stats = EngineStats()
+        self._waiting: list[Request] = []
+        self._running: dict[str, Request] = {}
+        self._finished: dict[str, Request] = {}
+        self._sent_to_drafter: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._seeds = random.Random(seed)
+        self._step_no = 0
+        self._reserved_blocks = 0
+
+    def _make_proposer(
+        self, name: str, drafter: str | Path | None, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> Proposer:
+        if name == "none":
+            return NoProposer()
+        if name == "ngram":
+            return NgramProposer()
+        path = Path(drafter) if drafter is not None else demo_path("draft-model")
+        prop = DraftModelProposer(path, num_blocks, block_size, dtype)
+        if prop.vocab_size != self.target.config.vocab_size:
+            raise ValueError(
+                f"drafter vocab {prop.vocab_size} != target vocab {self.target.config.vocab_size}"
+            )
+        return prop
+
+    # --- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
+        """Validate and queue one request; raises ValueError (and changes nothing) on bad input."""
+        params = params or SamplingParams()
+        ids = tuple(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else tuple(prompt)
+        self._validate(ids)
+        req_id = f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        self._waiting.append(Request(req_id, ids, params, seed))
+        return req_id
+
+    def _validate(self, ids: tuple[int, ...]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                "and generation needs at least one more"
+            )
+
+    def abort(self, req_id: str) -> None:
+        """Drop a request wherever it is and free its caches."""
+        self._waiting = [r for r in self._waiting if r.req_id != req_id]
+        req = self._running.pop(req_id, None)
+        if req is not None:
+            self._free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def pop_finished(self, req_id: str) -> Request:
+        return self._finished.pop(req_id)
+
+    # --- the step loop --------------------------------------------------------------------
+    def _blocks_for(self, req: Request) -> int:
+        most = min(len(req.prompt_ids) + req.params.max_tokens + self.max_k + 1, self.max_model_len + self.max_k)
+        return -(-most // self.block_size)
+
+    def _admit(self) -> None:
+        # Worst-case block accounting at admission: a running request never runs out of cache.
+        capacity = self.target.cache.num_blocks
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            req = self._waiting[0]
+            need = self._blocks_for(req)
+            if self._reserved_blocks + need > capacity and self._running:
+                break
+            self._waiting.pop(0)
+            self._reserved_blocks += need
+            new = NewRequest(req.req_id, req.prompt_ids, req.params, req.seed)
+            self.target.add_request(new)
+            self.proposer.add_request(new)
+            self._sent_to_drafter[req.req_id] = 0
+            self._running[req.req_id] = req
+
+    def _draft_cap(self, req: Request) -> int:
+        # Commit appends at most ℓ + 1 tokens: stay within max_tokens and the context.
+        left = req.params.max_tokens - len(req.output_ids)
+        return max(0, min(left - 1, self.max_model_len - req.num_tokens - 1))
+
+    def step(self) -> StepState | None:
+        """Run one speculative step over every running request; returns what commit decided."""
+        self._admit()
+        if not self._running:
+            return None
+        start = time.perf_counter()
+        reqs = list(self._running.values())
+        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs])
+        queries = []
+        for r, n in zip(reqs, lengths):
+            sent = self._sent_to_drafter[r.req_id]
+            queries.append(DraftQuery(r.req_id, r.tokens_from(sent), n))
+            self._sent_to_drafter[r.req_id] = r.num_tokens
+        # Called even when no request wants drafts: the proposer still learns the new tokens.
+        drafts = self.proposer.propose(queries)
+        budget = self.policy.choose_budget(drafts)
+        planned = self.policy.plan_verification(drafts, budget)
+        plan = self._plan(reqs, drafts, planned, budget)
+        result = self.target.verify(plan)
+        self._step_no += 1
+        state = commit(
+            self._step_no, self._running, drafts, plan, result, self.eos_ids, self.max_model_len,
+            self.tokenizer.decode,
+        )
+        self._rollback(state)
+        self.policy.observe(state)
+        self.stats.steps += 1
+        self.stats.generated_tokens += sum(len(s.committed) for s in state.requests)
+        self.stats.busy_seconds += time.perf_counter() - start
+        return state
+
+    def _plan(self, reqs: list[Request], drafts: Drafts, planned: list[int], budget: int) -> VerifyPlan:
+        assert sum(planned) <= budget or budget == 0 and not any(planned)
+        width = max(planned, default=0)
+        token_ids = drafts.token_ids[:, :width].clone()
+        for i, n in enumerate(planned):
+            assert n <= int(drafts.num_drafts[i])
+            token_ids[i, n:] = -1
+        probs = None if drafts.probs is None else drafts.probs[:, :width]
+        return VerifyPlan(
+            req_ids=tuple(r.req_id for r in reqs),
+            starts=tuple(r.target_length for r in reqs),
+            input_ids=tuple(
+                r.tokens_from(r.target_length) + tuple(token_ids[i, :n].tolist())
+                for i, (r, n) in enumerate(zip(reqs, planned))
+            ),
+            num_draft=tuple(planned),
+            draft_token_ids=token_ids,
+            draft_probs=probs,
+            budget=budget,
+        )
+
+    def _rollback(self, state: StepState) -> None:
+        self.target.rollback({s.req_id: s.target_length for s in state.requests if s.finish_reason is None})
+        for s in state.requests:
+            if s.finish_reason is None:
+                self.proposer.commit(s.req_id, s.num_accepted)
+            else:
+                req = self._running.pop(s.req_id)
+                self._free(req)
+                self._finished[req.req_id] = req
+
+    def _free(self, req: Request) -> None:
+        self.target.release(req.req_id)
+        self.proposer.release(req.req_id)
+        self._sent_to_drafter.pop(req.req_id, None)
+        self._reserved_blocks -= self._blocks_for(req)
+
+    # --- convenience ----------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(i not in self._finished for i in ids):
+            self.step()
+        return [self.result(self._finished.pop(i)) for i in ids]
+
+    def result(self, req: Request) -> GenerationResult:
+        text = self.tokenizer.decode(req.output_ids)
+        if req.stop_text_end is not None:
+            text = text[: req.stop_text_end]
+        return GenerationResult(
+            req_id=req.req_id,
+            prompt_ids=req.prompt_ids,
+            token_ids=tuple(req.output_ids),
+            text=text,
+            finish_reason=req.finish_reason or "abort",
+            stats=req.stats.as_dict(),
+        )

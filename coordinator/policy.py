@@ -1,0 +1,79 @@
+"""Verification policies: how many drafts each request gets verified in a step (DESIGN.md §2-3).
+
+One interface for every policy:
+- `draft_lengths(caps)`: how many drafts to ask the proposer for, per request (never above its
+  cap, which comes from max_tokens and the context length);
+- `choose_budget(drafts)`: K, the total draft positions to verify this step;
+- `plan_verification(drafts, K)`: ℓ_r per request, Σ ℓ_r <= K, a prefix of each request's drafts;
+- `observe(step)`: feedback after commit (acceptance history for adaptive policies).
+
+The confidence-scheduled policies (`equal`, `confidence-sync`, `confidence`) implement the same
+interface in their own module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from dspark.messages import Drafts, StepState
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    def draft_lengths(self, caps: list[int]) -> list[int]: ...
+
+    @abstractmethod
+    def choose_budget(self, drafts: Drafts) -> int: ...
+
+    @abstractmethod
+    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]: ...
+
+    def observe(self, step: StepState) -> None:  # noqa: B027 - optional hook
+        """Called after every commit; adaptive policies learn from it."""
+
+
+class OffPolicy(Policy):
+    """No speculation: ℓ = 0 for everyone. The baseline every other policy must beat."""
+
+    name = "off"
+
+    def draft_lengths(self, caps: list[int]) -> list[int]:
+        return [0] * len(caps)
+
+    def choose_budget(self, drafts: Drafts) -> int:
+        return 0
+
+    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
+        return [0] * len(drafts.req_ids)
+
+
+class FixedPolicy(Policy):
+    """ℓ = k for every request (fewer only where the proposer or the cap gives fewer)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"k={k}: the fixed policy needs k >= 1")
+        self.k = k
+
+    def draft_lengths(self, caps: list[int]) -> list[int]:
+        return [min(self.k, c) for c in caps]
+
+    def choose_budget(self, drafts: Drafts) -> int:
+        return int(drafts.num_drafts.clamp(max=self.k).sum())
+
+    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
+        return drafts.num_drafts.clamp(max=self.k).tolist()
+
+
+POLICIES: dict[str, type[Policy]] = {"off": OffPolicy, "fixed": FixedPolicy}
+
+
+def make_policy(name: str, k: int) -> Policy:
+    """Build a policy by name; `k` is ℓ for `fixed` and the block size γ for the others."""
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r}: choose one of {sorted(POLICIES)}")
+    return OffPolicy() if name == "off" else POLICIES[name](k)  # type: ignore[call-arg]

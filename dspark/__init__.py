@@ -1,0 +1,25 @@
+"""dspark-serve: lossless speculative decoding with confidence-scheduled verification.
+
+Example:
+    >>> from dspark import Engine, SamplingParams
+    >>> engine = Engine()  # the shipped demo target and draft model
+    >>> engine.generate("import os\\n", SamplingParams(temperature=0, max_tokens=16))[0].finish_reason
+    'length'
+"""
+
+from dspark.sampling_params import SamplingParams
+
+__all__ = ["Engine", "GenerationResult", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: `import dspark` stays light (no torch model code) for the SDK and CLI help.
+    if name == "Engine":
+        from dspark.coordinator.engine import Engine
+
+        return Engine
+    if name == "GenerationResult":
+        from dspark.coordinator.request import GenerationResult
+
+        return GenerationResult
+    raise AttributeError(f"module 'dspark' has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""The target model runner: paged KV cache, one varlen verify forward, acceptance sampling.
+
+Verbs (the coordinator's only way in): `add_request`, `verify`, `rollback`, `release`.
+The runner keeps, per request, only its KV length, its sampling parameters and its random
+generator; committed tokens live in the coordinator, which sends the uncached ones each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.kernels.acceptance import accept
+from dspark.kernels.sampling import warp_probs
+from dspark.messages import NewRequest, VerifyPlan, VerifyResult
+from dspark.models.checkpoint import load_model
+from dspark.models.kv_cache import PagedKVCache
+from dspark.sampling_params import SamplingParams
+
+
+class TargetRunner:
+    """Runs the target model for verification. Acceptance is decided here (rank 0's job)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        num_blocks: int = 2048,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> None:
+        self.model = load_model(path, dtype=dtype, device=device)
+        self.config = self.model.config
+        self.device = device
+        self.cache = PagedKVCache(
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
+        self._params: dict[str, SamplingParams] = {}
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def add_request(self, new: NewRequest) -> None:
+        self._params[new.req_id] = new.params
+        self._generators[new.req_id] = torch.Generator().manual_seed(new.seed)
+
+    @torch.inference_mode()
+    def verify(self, plan: VerifyPlan) -> VerifyResult:
+        """Run one varlen forward over every request's inputs and decide acceptance."""
+        req_ids = list(plan.req_ids)
+        q_lens = [len(ids) for ids in plan.input_ids]
+        for r, start, n in zip(req_ids, plan.starts, q_lens):
+            assert self.cache.length(r) == start, (r, self.cache.length(r), start)
+            self.cache.reserve(r, start + n)
+        meta = self.cache.metadata(req_ids, list(plan.starts), q_lens)
+        flat_ids = torch.tensor([t for ids in plan.input_ids for t in ids], device=self.device)
+        # Rows that need logits: the anchor and each admitted draft (ℓ_r + 1 per request).
+        ends = torch.tensor(q_lens).cumsum(0)
+        rows = [torch.arange(e - l - 1, e) for e, l in zip(ends.tolist(), plan.num_draft)]
+        logits = self.model.forward_paged(flat_ids, meta, self.cache, torch.cat(rows).to(self.device)).logits
+        return self._accept(plan, logits)
+
+    def _accept(self, plan: VerifyPlan, logits: torch.Tensor) -> VerifyResult:
+        num_rows = [l + 1 for l in plan.num_draft]
+        params = [self._params[r] for r in plan.req_ids]
+        rep = torch.tensor(num_rows)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64).repeat_interleave(rep)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long).repeat_interleave(rep)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64).repeat_interleave(rep)
+        target_probs = warp_probs(logits.cpu(), temperature, top_k, top_p)
+        max_draft = plan.draft_token_ids.shape[1]
+        u_accept = torch.zeros(len(params), max_draft, dtype=torch.float64)
+        u_sample = torch.zeros(len(params), dtype=torch.float64)
+        for i, (r, l) in enumerate(zip(plan.req_ids, plan.num_draft)):
+            # ℓ_r + 1 float64 uniforms from the request's own generator: the same request draws
+            # the same numbers whatever else shares the batch.
+            u = torch.rand(l + 1, dtype=torch.float64, generator=self._generators[r])
+            u_accept[i, :l] = u[:l]
+            u_sample[i] = u[l]
+        cu = torch.zeros(len(num_rows) + 1, dtype=torch.long)
+        cu[1:] = rep.cumsum(0)
+        out = accept(target_probs, cu, plan.draft_token_ids, plan.draft_probs, u_accept, u_sample)
+        accepted = out.num_accepted.tolist()  # the step's one sync point
+        tokens = out.output_tokens.tolist()
+        return VerifyResult(
+            req_ids=plan.req_ids,
+            num_accepted=tuple(accepted),
+            output_tokens=tuple(tuple(t[: a + 1]) for t, a in zip(tokens, accepted)),
+        )
+
+    def rollback(self, lengths: dict[str, int]) -> None:
+        """Keep only the first `lengths[r]` KV entries of each request (the committed ones)."""
+        for r, n in lengths.items():
+            self.cache.truncate(r, n)
+
+    def release(self, req_id: str) -> None:
+        """Forget a finished or cancelled request and free its blocks."""
+        self.cache.release(req_id)
+        self._params.pop(req_id, None)
+        self._generators.pop(req_id, None)
