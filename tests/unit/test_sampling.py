@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -77,6 +75,14 @@ def test_top_p_keeps_smallest_set_reaching_p(top_p: float, expected: list[float]
     torch.testing.assert_close(probs[0], torch.tensor(expected, dtype=F64))
 
 
+def test_top_p_one_keeps_tail_lost_to_rounding() -> None:
+    # The top token's mass rounds to 1.0, so "mass before < 1" alone would drop the tail.
+    logits = torch.tensor([[60.0, 0.0, 0.0]])
+    probs = _warp(logits, [1.0], [0], [1.0])
+    assert (probs > 0).all()
+    torch.testing.assert_close(probs, torch.softmax(logits.to(F64), dim=-1), atol=0, rtol=0)
+
+
 def test_top_p_applies_to_renormalised_top_k() -> None:
     # Top-2 renormalises to (0.625, 0.375); 0.625 >= 0.6, so top-p keeps only the top token.
     # Without top-k, 0.5 < 0.6 and top-p would keep two.
@@ -146,4 +152,3 @@ def test_sample_chi_square_goodness_of_fit() -> None:
     # The test has power: the same draws are far from a slightly different distribution.
     q = torch.tensor([0.06, 0.1, 0.29, 0.2, 0.15, 0.2], dtype=F64)
     assert chisquare(counts, n * q.numpy()).pvalue < 1e-3
-    assert math.isclose(counts.sum(), n)

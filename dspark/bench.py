@@ -1,0 +1,138 @@
+"""Benchmarks of the in-process engine (scripts that print tables and write JSON + PNG).
+
+Arms are measured side by side in one run: for each prompt, every arm runs in turn, so the
+machine's noise falls on all arms alike. Speed is output tokens per wall-clock second of
+`Engine.generate` for one request at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.coordinator.engine import Engine
+from dspark.demo import heldout_prompts_path
+from dspark.sampling_params import SamplingParams
+from dspark.training.prompts import load_prompts
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    proposer: str
+    policy: str
+    k: int
+
+
+CORE_ARMS = (
+    Arm("off", "none", "off", 1),
+    Arm("draft-model k=3", "draft-model", "fixed", 3),
+    Arm("draft-model k=7", "draft-model", "fixed", 7),
+    Arm("ngram k=3", "ngram", "fixed", 3),
+    Arm("ngram k=7", "ngram", "fixed", 7),
+)
+
+
+def _measure(engines: dict[str, Engine], prompts: list[str], params: SamplingParams,
+             desc: str) -> dict[str, dict[str, float]]:
+    totals = {label: {"tokens": 0, "seconds": 0.0, "passes": 0} for label in engines}
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+        for label, engine in engines.items():
+            p = SamplingParams(**{**params.__dict__, "seed": None if params.greedy else i})
+            start = time.perf_counter()
+            out = engine.generate([prompt], p)[0]
+            totals[label]["seconds"] += time.perf_counter() - start
+            totals[label]["tokens"] += len(out.token_ids)
+            totals[label]["passes"] += int(out.stats["target_passes"])
+    return {
+        label: {
+            "tokens_per_s": t["tokens"] / t["seconds"],
+            "mean_accepted_length": t["tokens"] / t["passes"],
+            "tokens": t["tokens"],
+            "seconds": round(t["seconds"], 3),
+        }
+        for label, t in totals.items()
+    }
+
+
+def run_core_bench(num_prompts: int = 8, max_tokens: int = 96, out_dir: Path = Path("runs/bench_core")) -> dict:
+    """Proposers side by side on the demo pair, one request in flight, T = 0 and T = 1."""
+    prompts = load_prompts(heldout_prompts_path(), num_prompts)
+    engines = {a.label: Engine(proposer=a.proposer, policy=a.policy, k=a.k) for a in CORE_ARMS}
+    for e in engines.values():  # warm-up
+        e.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8))
+    results = {}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+        results[f"T={temperature:g}"] = _measure(engines, prompts, params, f"T={temperature:g}")
+    _print_table(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_core.json").write_text(json.dumps(
+        {"num_prompts": num_prompts, "max_tokens": max_tokens, "results": results}, indent=2) + "\n")
+    _plot(results, out_dir / "bench_core.png")
+    print(f"wrote {out_dir / 'bench_core.json'} and {out_dir / 'bench_core.png'}")
+    return results
+
+
+def _print_table(results: dict[str, dict[str, dict[str, float]]]) -> None:
+    print(f"\n{'setting':<8} {'arm':<18} {'tok/s':>8} {'x off':>6} {'tau':>6}")
+    for setting, arms in results.items():
+        base = arms["off"]["tokens_per_s"]
+        for label, r in arms.items():
+            print(f"{setting:<8} {label:<18} {r['tokens_per_s']:>8.1f} "
+                  f"{r['tokens_per_s'] / base:>6.2f} {r['mean_accepted_length']:>6.2f}")
+
+
+def _plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    settings = list(results)
+    labels = list(next(iter(results.values())))
+    width = 0.8 / len(settings)
+    for metric, ax, title in (("tokens_per_s", axes[0], "output tokens/s (1 request)"),
+                              ("mean_accepted_length", axes[1], "tokens per target pass (tau)")):
+        for i, s in enumerate(settings):
+            ax.bar([j + i * width for j in range(len(labels))],
+                   [results[s][lab][metric] for lab in labels], width, label=s)
+        ax.set_xticks([j + width / 2 for j in range(len(labels))], labels, rotation=20, fontsize=8)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_demo(num_prompts: int = 4, max_tokens: int = 64) -> None:
+    """The main job: the demo target with and without speculation, texts and a speed summary."""
+    prompts = load_prompts(heldout_prompts_path(), num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    spec, plain = Engine(), Engine(proposer="none")
+    spec.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))
+    plain.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))
+    start = time.perf_counter()
+    outs = spec.generate(prompts, params)
+    t_spec = time.perf_counter() - start
+    start = time.perf_counter()
+    refs = plain.generate(prompts, params)
+    t_plain = time.perf_counter() - start
+    for prompt, out in zip(prompts, outs):
+        print("=" * 72)
+        print(prompt + "\033[1m" + out.text + "\033[0m")
+    n_spec = sum(len(o.token_ids) for o in outs)
+    n_plain = sum(len(o.token_ids) for o in refs)
+    same = all(o.token_ids == r.token_ids for o, r in zip(outs, refs))
+    tau = sum(o.stats["accepted_tokens"] + o.stats["target_passes"] for o in outs) / sum(
+        o.stats["target_passes"] for o in outs)
+    print("=" * 72)
+    print(f"{len(prompts)} prompts in one batch, greedy, {max_tokens} tokens max")
+    print(f"speculative ({spec.proposer.name}, {spec.policy.name} k={spec.max_k}): "
+          f"{n_spec / t_spec:.1f} tok/s, {tau:.2f} tokens per target pass")
+    print(f"target alone: {n_plain / t_plain:.1f} tok/s; speed-up {n_spec / t_spec / (n_plain / t_plain):.2f}x; "
+          f"outputs identical: {same}")

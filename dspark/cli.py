@@ -1,0 +1,201 @@
+"""The `dspark` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from dspark.sampling_params import SamplingParams
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target HF directory (default: the shipped demo target)")
+    p.add_argument("--proposer", choices=["draft-model", "ngram", "none"], default=None)
+    p.add_argument("--drafter", help="draft checkpoint directory (default: the shipped demo one)")
+    p.add_argument("--policy", choices=["off", "fixed"], default=None)
+    p.add_argument("--k", type=int, default=None, help="drafts per request (fixed) / block size")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
+        seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos,
+    )
+
+
+def _engine(a: argparse.Namespace):  # noqa: ANN202 - Engine imported lazily (torch start-up)
+    import torch
+
+    from dspark.coordinator.engine import Engine
+
+    return Engine(
+        target=a.target, proposer=a.proposer, drafter=a.drafter, policy=a.policy, k=a.k,
+        dtype=getattr(torch, a.dtype),
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    engine = _engine(a)
+    out = engine.generate([a.prompt], _params(a))[0]
+    if a.json:
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text,
+                          "finish_reason": out.finish_reason, "stats": out.stats}))
+    else:
+        print(a.prompt + out.text)
+        print(f"\n[{out.finish_reason}] {len(out.token_ids)} tokens, "
+              f"mean accepted length {out.stats['mean_accepted_length']}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from dspark.bench import run_demo
+
+    run_demo(num_prompts=a.num_prompts, max_tokens=a.max_tokens)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from dspark.bench import run_core_bench
+
+    run_core_bench(num_prompts=a.num_prompts, max_tokens=a.max_tokens, out_dir=Path(a.out))
+    return 0
+
+
+def cmd_demo_path(a: argparse.Namespace) -> int:
+    from dspark.demo import demo_path
+
+    print(demo_path(a.name))
+    return 0
+
+
+def cmd_train_tokenizer(a: argparse.Namespace) -> int:
+    from dspark.training.tokenizer_training import train_tokenizer
+
+    print(train_tokenizer(a.out, a.vocab_size))
+    return 0
+
+
+def cmd_train_target(a: argparse.Namespace) -> int:
+    from dspark.training.lm_training import TrainConfig, train_lm
+
+    cfg = TrainConfig(preset=a.preset, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
+                      lr=a.lr, seed=a.seed)
+    log = train_lm(a.tokenizer, a.out, cfg)
+    if a.log_dir:
+        _write_training_log(log, Path(a.log_dir))
+    print(json.dumps({k: log[k] for k in ("preset", "num_params", "held_out_loss", "train_seconds")}))
+    return 0
+
+
+def cmd_train_demo(a: argparse.Namespace) -> int:
+    """Retrain every shipped demo artefact into the package's demo folder."""
+    from dspark.training.lm_training import TrainConfig, train_lm
+    from dspark.training.prompts import make_heldout_prompts
+    from dspark.training.tokenizer_training import train_tokenizer
+
+    demo = _PACKAGE / "demo"
+    tok = train_tokenizer(Path(a.work_dir) / "tokenizer")
+    make_heldout_prompts(demo / "heldout_prompts.jsonl")
+    for preset, steps in (("draft-model", 1500), ("target", 1400)):
+        log = train_lm(tok, demo / preset, TrainConfig(preset=preset, steps=steps))
+        _write_training_log(log, Path(a.work_dir))
+    return 0
+
+
+def _write_training_log(log: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{log['preset']}_log.json").write_text(json.dumps(log) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(log["train_loss"], lw=0.6, label="train (batch)")
+    ax.plot([e["step"] for e in log["eval"]], [e["held_out_loss"] for e in log["eval"]], "o-",
+            label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"{log['preset']}: {log['num_params'] / 1e6:.1f} M params")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{log['preset']}_loss.png", dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _engine_args(p)
+    _sampling_args(p)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job: demo models, a few prompts, a speed summary")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("bench", help="core benchmark: proposers side by side, T=0 and T=1")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--out", default="runs/bench_core")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("demo-path", help="print the directory of a shipped demo checkpoint")
+    p.add_argument("name", choices=["target", "draft-model"])
+    p.set_defaults(fn=cmd_demo_path)
+
+    p = sub.add_parser("train-tokenizer", help="train the byte-level BPE on the stdlib source")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.set_defaults(fn=cmd_train_tokenizer)
+
+    p = sub.add_parser("train-target", help="train a demo LM (the target or the draft model)")
+    p.add_argument("--preset", choices=["target", "draft-model"], default="target")
+    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="write the loss log (JSON) and curve (PNG)")
+    p.set_defaults(fn=cmd_train_target)
+
+    p = sub.add_parser("train-demo", help="retrain all shipped demo artefacts (~40 min on 2 cores)")
+    p.add_argument("--work-dir", default="runs/train-demo")
+    p.set_defaults(fn=cmd_train_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ValueError as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
