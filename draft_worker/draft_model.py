@@ -74,11 +74,15 @@ class DraftModelProposer:
         for j in range(gamma):
             step = [q for q in active if q.num_drafts > j]
             logits = self._forward(step, inputs)
-            q_rows = self._warp([q.req_id for q in step], logits)
-            u = torch.stack(
-                [torch.rand((), dtype=torch.float64, generator=self._states[q.req_id].generator) for q in step]
-            )
-            tokens = sample_from_probs(q_rows, u)
+            if probs is None:  # all greedy: q is one-hot at the argmax, nothing to sample
+                tokens, q_rows = logits.argmax(dim=-1), [None] * len(step)
+            else:
+                q_rows = self._warp([q.req_id for q in step], logits)
+                u = torch.stack([
+                    torch.rand((), dtype=torch.float64, generator=self._states[q.req_id].generator)
+                    for q in step
+                ])
+                tokens = sample_from_probs(q_rows, u)
             for q, t, q_row in zip(step, tokens.tolist(), q_rows):
                 ids[row[q.req_id], j] = t
                 if probs is not None:

@@ -44,10 +44,28 @@ def warp_probs(
     greedy = temperature == 0
     # Greedy rows are divided by 1 so they stay finite; their result is replaced below.
     scaled = logits.to(torch.float64) / torch.where(greedy, 1.0, temperature)[:, None]
+    filtered = ~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))
+    # Fast paths first: only rows with a top-k/top-p cut pay for the sort over the vocabulary.
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(filtered.any()):
+        rows = torch.nonzero(filtered).flatten()
+        probs[rows] = _top_k_top_p(scaled[rows], top_k[rows], top_p[rows])
+    if bool(greedy.any()):
+        rows = torch.nonzero(greedy).flatten()
+        probs[rows] = 0.0
+        probs[rows, torch.argmax(logits[rows], dim=-1)] = 1.0
+    return probs
 
+
+def _top_k_top_p(
+    scaled: torch.Tensor,  # [num_rows, vocab] float64 tempered logits
+    top_k: torch.Tensor,  # [num_rows] int64; 0 = off
+    top_p: torch.Tensor,  # [num_rows] float; 1.0 = off
+) -> torch.Tensor:  # [num_rows, vocab] float64
+    vocab = scaled.shape[1]
     # Work in descending order: top-k is a rank cut, top-p a cumulative-mass cut.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)
+    rank = torch.arange(vocab, device=scaled.device)
     k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
 
@@ -61,11 +79,7 @@ def warp_probs(
     keep = (mass_before < top_p) | (top_p >= 1.0)
     keep[:, 0] = True
     sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
-
-    one_hot = torch.zeros_like(probs)
-    one_hot[torch.arange(num_rows, device=logits.device), torch.argmax(logits, dim=-1)] = 1.0
-    return torch.where(greedy[:, None], one_hot, probs)
+    return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
 
 
 def sample_from_probs(
