@@ -41,9 +41,13 @@ def load_model(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, strict=True, assign=True)
-    # The rotary buffer is not a parameter: rebuild it on the real device.
-    model.rotary = type(model.rotary)(config)
-    return model.to(device=device, dtype=dtype).eval()
+    # The rotary buffer is not a parameter: rebuild it on the real device, after the dtype cast,
+    # so inv_freq stays float32 as in transformers (a bf16 inv_freq shifts every RoPE angle).
+    rotary_cls = type(model.rotary)
+    del model.rotary
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary = rotary_cls(config).to(device)
+    return model
 
 
 def save_model(

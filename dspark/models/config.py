@@ -109,10 +109,14 @@ def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     if rope_type not in ("default", "linear", "dynamic", "llama3", "yarn"):
         raise ValueError(f"unsupported rope_type {rope_type!r}")
     orig = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and orig:
+        # As transformers: a yarn config without `factor` scales from the original context.
+        factor = raw.get("max_position_embeddings", orig) / orig
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor if factor is not None else 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=None if orig is None else int(orig),

@@ -58,7 +58,7 @@ class PagedKVCache:
 
     # --- verbs --------------------------------------------------------------------------
     def reserve(self, req_id: str, new_length: int) -> None:
-        """Make room for positions [length, new_length) and set the length to `new_length`."""
+        """Make room for positions up to `new_length`; the length becomes max(length, new_length)."""
         need = self.blocks_needed(req_id, new_length)
         if need > len(self._free):
             raise CacheFullError(f"request {req_id} needs {need} blocks, {len(self._free)} free")
