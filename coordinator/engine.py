@@ -82,8 +82,10 @@ class Engine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         self.tokenizer = Tokenizer(target_dir)
-        self.target = TargetRunner(target_dir, num_blocks, block_size, dtype)
-        self.proposer = self._make_proposer(proposer, drafter, num_blocks, block_size, dtype)
+        self.proposer = self._make_proposer(proposer, drafter, target_dir, num_blocks, block_size, dtype)
+        hidden_layers = tuple(getattr(self.proposer, "hidden_layers", ()))
+        self.target = TargetRunner(target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers)
+        self._check_vocab()
         self.policy: Policy = make_policy(policy, k)
         self.max_k = k
         self.max_num_seqs = max_num_seqs
@@ -100,25 +102,27 @@ class Engine:
         self._running: dict[str, Request] = {}
         self._finished: dict[str, Request] = {}
         self._sent_to_drafter: dict[str, int] = {}
+        self._pending_hidden: dict[str, list[torch.Tensor]] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(seed)
         self._step_no = 0
         self._reserved_blocks = 0
 
     def _make_proposer(
-        self, name: str, drafter: str | Path | None, num_blocks: int, block_size: int, dtype: torch.dtype
+        self, name: str, drafter: str | Path | None, target_dir: Path, num_blocks: int,
+        block_size: int, dtype: torch.dtype,
     ) -> Proposer:
         if name == "none":
             return NoProposer()
         if name == "ngram":
             return NgramProposer()
         path = Path(drafter) if drafter is not None else demo_path("draft-model")
-        prop = DraftModelProposer(path, num_blocks, block_size, dtype)
-        if prop.vocab_size != self.target.config.vocab_size:
-            raise ValueError(
-                f"drafter vocab {prop.vocab_size} != target vocab {self.target.config.vocab_size}"
-            )
-        return prop
+        return DraftModelProposer(path, num_blocks, block_size, dtype)
+
+    def _check_vocab(self) -> None:
+        vocab = getattr(self.proposer, "vocab_size", None)
+        if vocab is not None and vocab != self.target.config.vocab_size:
+            raise ValueError(f"drafter vocab {vocab} != target vocab {self.target.config.vocab_size}")
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
@@ -194,7 +198,9 @@ class Engine:
         queries = []
         for r, n in zip(reqs, lengths):
             sent = self._sent_to_drafter[r.req_id]
-            queries.append(DraftQuery(r.req_id, r.tokens_from(sent), n))
+            rows = self._pending_hidden.pop(r.req_id, None)
+            hidden = torch.cat(rows) if rows else None
+            queries.append(DraftQuery(r.req_id, r.tokens_from(sent), n, hidden))
             self._sent_to_drafter[r.req_id] = r.num_tokens
         # Called even when no request wants drafts: the proposer still learns the new tokens.
         drafts = self.proposer.propose(queries)
@@ -202,6 +208,9 @@ class Engine:
         planned = self.policy.plan_verification(drafts, budget)
         plan = self._plan(reqs, drafts, planned, budget)
         result = self.target.verify(plan)
+        if result.hidden is not None:
+            for req_id, rows in zip(result.req_ids, result.hidden):
+                self._pending_hidden.setdefault(req_id, []).append(rows)
         self._step_no += 1
         state = commit(
             self._step_no, self._running, drafts, plan, result, self.eos_ids, self.max_model_len,
@@ -249,6 +258,7 @@ class Engine:
         self.target.release(req.req_id)
         self.proposer.release(req.req_id)
         self._sent_to_drafter.pop(req.req_id, None)
+        self._pending_hidden.pop(req.req_id, None)
         self._reserved_blocks -= self._blocks_for(req)
 
     # --- convenience ----------------------------------------------------------------------

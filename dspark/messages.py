@@ -40,6 +40,9 @@ class DraftQuery:
     req_id: str
     new_token_ids: tuple[int, ...]
     num_drafts: int
+    # Target hidden states (the layers the proposer asked for, concatenated) of the target
+    # positions the proposer has not seen yet: every committed token but the anchor, in order.
+    new_hidden: torch.Tensor | None = None  # [num_new_rows, num_layers * hidden]
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ class VerifyResult:
     req_ids: tuple[str, ...]
     num_accepted: tuple[int, ...]  # A_r
     output_tokens: tuple[tuple[int, ...], ...]  # A_r + 1 tokens: accepted drafts, then y
+    # When asked for: hidden rows of the positions this pass cached for good (the uncached
+    # committed tokens and the A_r accepted drafts), per request.
+    hidden: tuple[torch.Tensor, ...] | None = None  # each [n_uncached + A_r, num_layers * hidden]
 
 
 @dataclass(frozen=True)

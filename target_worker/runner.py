@@ -7,6 +7,7 @@ generator; committed tokens live in the coordinator, which sends the uncached on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,8 +30,10 @@ class TargetRunner:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        hidden_layers: tuple[int, ...] = (),
     ) -> None:
         self.model = load_model(path, dtype=dtype, device=device)
+        self.hidden_layers = hidden_layers  # decoder layers whose outputs a drafter consumes
         self.config = self.model.config
         self.device = device
         self.cache = PagedKVCache(
@@ -66,8 +69,19 @@ class TargetRunner:
         # Rows that need logits: the anchor and each admitted draft (ℓ_r + 1 per request).
         ends = torch.tensor(q_lens).cumsum(0)
         rows = [torch.arange(e - l - 1, e) for e, l in zip(ends.tolist(), plan.num_draft)]
-        logits = self.model.forward_paged(flat_ids, meta, self.cache, torch.cat(rows).to(self.device)).logits
-        return self._accept(plan, logits)
+        out = self.model.forward_paged(
+            flat_ids, meta, self.cache, torch.cat(rows).to(self.device), self.hidden_layers
+        )
+        result = self._accept(plan, out.logits)
+        if out.hidden is None:
+            return result
+        # Keep the rows of positions cached for good: uncached committed tokens + accepted drafts.
+        starts = (ends - torch.tensor(q_lens)).tolist()
+        keep = [
+            out.hidden[s : s + n - l + a].cpu()
+            for s, n, l, a in zip(starts, q_lens, plan.num_draft, result.num_accepted)
+        ]
+        return replace(result, hidden=tuple(keep))
 
     def _accept(self, plan: VerifyPlan, logits: torch.Tensor) -> VerifyResult:
         num_rows = [l + 1 for l in plan.num_draft]
