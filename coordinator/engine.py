@@ -18,13 +18,18 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dspark.coordinator.commit import commit
-from dspark.coordinator.policy import Policy, make_policy
+from dspark.coordinator.confidence import AcceptanceTracker
+from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.policy import Policy
+from dspark.coordinator.profiler import load_or_profile
+from dspark.coordinator.scheduler import POLICY_NAMES, make_policy, survivals_of
 from dspark.coordinator.request import GenerationResult, Request
 from dspark.demo import demo_path
 from dspark.draft_worker.draft_model import DraftModelProposer
@@ -41,11 +46,37 @@ PROPOSERS = ("draft-model", "ngram", "none")
 Prompt = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What the scheduler planned in one step and what the target then accepted."""
+
+    step: int
+    budget: int  # K
+    planned: tuple[int, ...]  # ℓ_r
+    predicted_accepted: float  # Σ_r Σ_{j≤ℓ_r} a_{r,j} from the confidences used to plan
+    accepted: int  # Σ_r A_r
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
     generated_tokens: int = 0
     busy_seconds: float = 0.0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    predicted_accepted: float = 0.0
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=1024))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "busy_seconds": round(self.busy_seconds, 4),
+            "verified_tokens": self.verified_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "predicted_accepted": round(self.predicted_accepted, 3),
+            "tokens_per_step": self.generated_tokens / max(1, self.steps),
+        }
 
 
 class Engine:
@@ -72,6 +103,8 @@ class Engine:
         num_blocks: int = 4096,
         block_size: int = 16,
         seed: int = 0,
+        cost_model: CostModel | str | Path | None = None,
+        profile_dir: str | Path = Path.home() / ".cache" / "dspark" / "cost",
     ) -> None:
         target_dir = Path(target) if target is not None else demo_path("target")
         proposer = proposer or "draft-model"
@@ -86,7 +119,13 @@ class Engine:
         hidden_layers = tuple(getattr(self.proposer, "hidden_layers", ()))
         self.target = TargetRunner(target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers)
         self._check_vocab()
-        self.policy: Policy = make_policy(policy, k)
+        self.tracker = AcceptanceTracker(max_draft=k)
+        self.cost_model = self._cost_model(policy, cost_model, target_dir, drafter, profile_dir)
+        self.policy: Policy = make_policy(
+            policy, k, self.cost_model, self.tracker,
+            a_priori=not getattr(self.proposer, "has_confidence_head", False),
+            sequential_drafts=getattr(self.proposer, "sequential_drafts", False),
+        )
         self.max_k = k
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
@@ -118,6 +157,21 @@ class Engine:
             return NgramProposer()
         path = Path(drafter) if drafter is not None else demo_path("draft-model")
         return DraftModelProposer(path, num_blocks, block_size, dtype)
+
+    def _cost_model(self, policy: str, given: CostModel | str | Path | None, target_dir: Path,
+                    drafter: str | Path | None, profile_dir: str | Path) -> CostModel | None:
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"policy={policy!r}: choose one of {list(POLICY_NAMES)}")
+        if isinstance(given, CostModel):
+            return given
+        if given is not None:
+            return CostModel.load(given)
+        if policy in ("off", "fixed"):
+            return None
+        draft_model = getattr(self.proposer, "model", None) if getattr(
+            self.proposer, "sequential_drafts", False) else None
+        draft_dir = getattr(self.proposer, "path", None) if draft_model is not None else None
+        return load_or_profile(target_dir, draft_dir, self.target.model, draft_model, profile_dir)
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.proposer, "vocab_size", None)
@@ -194,7 +248,8 @@ class Engine:
             return None
         start = time.perf_counter()
         reqs = list(self._running.values())
-        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs])
+        req_ids = tuple(r.req_id for r in reqs)
+        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids)
         queries = []
         for r, n in zip(reqs, lengths):
             sent = self._sent_to_drafter[r.req_id]
@@ -203,7 +258,7 @@ class Engine:
             queries.append(DraftQuery(r.req_id, r.tokens_from(sent), n, hidden))
             self._sent_to_drafter[r.req_id] = r.num_tokens
         # Called even when no request wants drafts: the proposer still learns the new tokens.
-        drafts = self.proposer.propose(queries)
+        drafts = self.tracker.fill(self.proposer.propose(queries))
         budget = self.policy.choose_budget(drafts)
         planned = self.policy.plan_verification(drafts, budget)
         plan = self._plan(reqs, drafts, planned, budget)
@@ -217,11 +272,26 @@ class Engine:
             self.tokenizer.decode,
         )
         self._rollback(state)
+        self.tracker.observe(state)
         self.policy.observe(state)
-        self.stats.steps += 1
-        self.stats.generated_tokens += sum(len(s.committed) for s in state.requests)
-        self.stats.busy_seconds += time.perf_counter() - start
+        self._record(state, drafts, planned, start)
         return state
+
+    def _record(self, state: StepState, drafts: Drafts, planned: list[int], start: float) -> None:
+        conf = drafts.confidences
+        predicted = 0.0
+        if conf is not None and conf.numel():
+            surv = survivals_of(conf)
+            predicted = float(sum(surv[i, :n].sum() for i, n in enumerate(planned)))
+        accepted = sum(s.num_accepted for s in state.requests)
+        st = self.stats
+        st.steps += 1
+        st.generated_tokens += sum(len(s.committed) for s in state.requests)
+        st.busy_seconds += time.perf_counter() - start
+        st.verified_tokens += sum(planned)
+        st.accepted_tokens += accepted
+        st.predicted_accepted += predicted
+        st.recent.append(StepRecord(state.step, state.budget, tuple(planned), predicted, accepted))
 
     def _plan(self, reqs: list[Request], drafts: Drafts, planned: list[int], budget: int) -> VerifyPlan:
         assert sum(planned) <= budget or budget == 0 and not any(planned)

@@ -1,14 +1,14 @@
 """Verification policies: how many drafts each request gets verified in a step (DESIGN.md §2-3).
 
 One interface for every policy:
-- `draft_lengths(caps)`: how many drafts to ask the proposer for, per request (never above its
-  cap, which comes from max_tokens and the context length);
+- `draft_lengths(caps, req_ids)`: how many drafts to ask the proposer for, per request (never
+  above its cap, which comes from max_tokens and the context length);
 - `choose_budget(drafts)`: K, the total draft positions to verify this step;
 - `plan_verification(drafts, K)`: ℓ_r per request, Σ ℓ_r <= K, a prefix of each request's drafts;
 - `observe(step)`: feedback after commit (acceptance history for adaptive policies).
 
 The confidence-scheduled policies (`equal`, `confidence-sync`, `confidence`) implement the same
-interface in their own module.
+interface in `coordinator/scheduler.py`, which also holds the registry `make_policy`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Policy(ABC):
     name: str
 
     @abstractmethod
-    def draft_lengths(self, caps: list[int]) -> list[int]: ...
+    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]: ...
 
     @abstractmethod
     def choose_budget(self, drafts: Drafts) -> int: ...
@@ -39,7 +39,7 @@ class OffPolicy(Policy):
 
     name = "off"
 
-    def draft_lengths(self, caps: list[int]) -> list[int]:
+    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
         return [0] * len(caps)
 
     def choose_budget(self, drafts: Drafts) -> int:
@@ -59,7 +59,7 @@ class FixedPolicy(Policy):
             raise ValueError(f"k={k}: the fixed policy needs k >= 1")
         self.k = k
 
-    def draft_lengths(self, caps: list[int]) -> list[int]:
+    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
         return [min(self.k, c) for c in caps]
 
     def choose_budget(self, drafts: Drafts) -> int:
@@ -67,13 +67,3 @@ class FixedPolicy(Policy):
 
     def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
         return drafts.num_drafts.clamp(max=self.k).tolist()
-
-
-POLICIES: dict[str, type[Policy]] = {"off": OffPolicy, "fixed": FixedPolicy}
-
-
-def make_policy(name: str, k: int) -> Policy:
-    """Build a policy by name; `k` is ℓ for `fixed` and the block size γ for the others."""
-    if name not in POLICIES:
-        raise ValueError(f"policy={name!r}: choose one of {sorted(POLICIES)}")
-    return OffPolicy() if name == "off" else POLICIES[name](k)  # type: ignore[call-arg]

@@ -34,6 +34,8 @@ class _DraftState:
 
 class DraftModelProposer:
     name = "draft-model"
+    sequential_drafts = True  # one forward per drafted position: cost grows with ℓ
+    has_confidence_head = False
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class DraftModelProposer:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
     ) -> None:
+        self.path = Path(path)
         self.model = load_model(path, dtype=dtype, device=device)
         cfg = self.model.config
         self.device = device

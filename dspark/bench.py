@@ -136,3 +136,95 @@ def run_demo(num_prompts: int = 4, max_tokens: int = 64) -> None:
           f"{n_spec / t_spec:.1f} tok/s, {tau:.2f} tokens per target pass")
     print(f"target alone: {n_plain / t_plain:.1f} tok/s; speed-up {n_spec / t_spec / (n_plain / t_plain):.2f}x; "
           f"outputs identical: {same}")
+
+
+POLICY_ARMS = (
+    ("off", "off", 1),
+    ("fixed k=1", "fixed", 1),
+    ("fixed k=3", "fixed", 3),
+    ("fixed k=7", "fixed", 7),
+    ("equal", "equal", 7),
+    ("confidence-sync", "confidence-sync", 7),
+    ("confidence", "confidence", 7),
+)
+
+
+def run_policy_bench(proposer: str = "draft-model", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
+                     temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
+                     out_dir: Path = Path("runs/bench_policies")) -> dict:
+    """Policies side by side at several numbers of requests in flight (closed loop)."""
+    prompts = load_prompts(heldout_prompts_path())
+    engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
+                             max_num_seqs=max(concurrencies))
+               for label, policy, k in POLICY_ARMS}
+    for e in engines.values():  # warm-up (and the cost-model profile, once per machine)
+        e.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))
+    results: dict[str, dict] = {}
+    cells = [(t, c) for t in temperatures for c in concurrencies]
+    bar = tqdm(total=len(cells) * len(engines), desc="policies", unit="run")
+    for temperature, conc in cells:
+        n = max(2 * conc, 8)
+        batch = [prompts[i % len(prompts)] for i in range(n)]
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+                  for i in range(n)]
+        row = results.setdefault(f"T={temperature:g}", {}).setdefault(str(conc), {})
+        for label, engine in engines.items():
+            engine.max_num_seqs = conc
+            before = engine.stats.as_dict()
+            start = time.perf_counter()
+            outs = engine.generate(batch, params)
+            seconds = time.perf_counter() - start
+            after = engine.stats.as_dict()
+            steps = after["steps"] - before["steps"]
+            tokens = sum(len(o.token_ids) for o in outs)
+            passes = sum(int(o.stats["target_passes"]) for o in outs)
+            row[label] = {
+                "tokens_per_s": tokens / seconds,
+                "mean_accepted_length": tokens / passes,
+                "verified_per_step": (after["verified_tokens"] - before["verified_tokens"]) / steps,
+                "accepted": after["accepted_tokens"] - before["accepted_tokens"],
+                "predicted_accepted": after["predicted_accepted"] - before["predicted_accepted"],
+            }
+            bar.update()
+    bar.close()
+    _print_policy_table(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_policies.json").write_text(json.dumps(
+        {"proposer": proposer, "max_tokens": max_tokens, "results": results}, indent=2) + "\n")
+    _plot_policies(results, out_dir / "bench_policies.png")
+    print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
+    return results
+
+
+def _print_policy_table(results: dict) -> None:
+    print(f"\n{'T':<6}{'reqs':>5} {'policy':<16}{'tok/s':>8}{'x off':>7}{'tau':>6}{'ver/step':>9}"
+          f"{'acc/pred':>9}")
+    for setting, by_conc in results.items():
+        for conc, arms in by_conc.items():
+            base = arms["off"]["tokens_per_s"]
+            for label, r in arms.items():
+                ratio = r["accepted"] / r["predicted_accepted"] if r["predicted_accepted"] else float("nan")
+                print(f"{setting:<6}{conc:>5} {label:<16}{r['tokens_per_s']:>8.1f}"
+                      f"{r['tokens_per_s'] / base:>7.2f}{r['mean_accepted_length']:>6.2f}"
+                      f"{r['verified_per_step']:>9.1f}{ratio:>9.2f}")
+
+
+def _plot_policies(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (setting, by_conc) in zip(axes[0], results.items()):
+        concs = list(by_conc)
+        for label in next(iter(by_conc.values())):
+            ax.plot([int(c) for c in concs], [by_conc[c][label]["tokens_per_s"] for c in concs],
+                    "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(setting)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -17,7 +17,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target HF directory (default: the shipped demo target)")
     p.add_argument("--proposer", choices=["draft-model", "ngram", "none"], default=None)
     p.add_argument("--drafter", help="draft checkpoint directory (default: the shipped demo one)")
-    p.add_argument("--policy", choices=["off", "fixed"], default=None)
+    p.add_argument("--policy", choices=["off", "fixed", "equal", "confidence-sync", "confidence"],
+                   default=None)
     p.add_argument("--k", type=int, default=None, help="drafts per request (fixed) / block size")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
 
@@ -74,6 +75,29 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dspark.bench import run_core_bench
 
     run_core_bench(num_prompts=a.num_prompts, max_tokens=a.max_tokens, out_dir=Path(a.out))
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from dspark.coordinator.engine import Engine
+    from dspark.coordinator.profiler import plot, profile
+
+    engine = Engine(target=a.target, proposer="draft-model", drafter=a.drafter, policy="fixed")
+    cost = profile(engine.target.model, engine.proposer.model, b_max=a.b_max, n_max=a.n_max,
+                   repeats=a.repeats)
+    out = Path(a.out)
+    cost.save(out / "cost_model.json")
+    plot(cost, out / "cost_model.png")
+    print(f"wrote {out / 'cost_model.json'} and {out / 'cost_model.png'}")
+    return 0
+
+
+def cmd_bench_policies(a: argparse.Namespace) -> int:
+    from dspark.bench import run_policy_bench
+
+    concs = tuple(int(c) for c in a.concurrency.split(","))
+    run_policy_bench(proposer=a.proposer, concurrencies=concs, max_tokens=a.max_tokens,
+                     out_dir=Path(a.out))
     return 0
 
 
@@ -159,6 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", default="runs/bench_core")
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("bench-policies", help="policies side by side across requests in flight")
+    p.add_argument("--proposer", default="draft-model")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", default="runs/bench_policies")
+    p.set_defaults(fn=cmd_bench_policies)
+
+    p = sub.add_parser("profile", help="measure the step-cost model (verify and draft) and plot it")
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--b-max", type=int, default=128)
+    p.add_argument("--n-max", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="runs/profile")
+    p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("demo-path", help="print the directory of a shipped demo checkpoint")
     p.add_argument("name", choices=["target", "draft-model"])

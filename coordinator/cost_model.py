@@ -1,0 +1,116 @@
+"""Step-cost model: how long a verify pass of B tokens and a drafting round take.
+
+Profiled at start-up (or by `dspark profile`): the median of repeats for every verify size
+B = 1..B_max and every draft batch size n = 1..n_max, made monotone (a running maximum: a larger
+batch never costs less), persisted as JSON keyed by model and hardware, and reloaded.
+
+The scheduler asks `step_time(B, draft_positions, draft_reqs)`: the verify time of B tokens plus,
+for a proposer whose cost grows with the number of drafts (an autoregressive draft model), one
+draft forward per drafted position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured step times in seconds. `verify[b - 1]` is a pass of b tokens."""
+
+    key: str
+    verify: tuple[float, ...]  # [B_max] seconds for a verify pass of 1..B_max tokens
+    draft: tuple[float, ...] = ()  # [n_max] seconds for one draft position over 1..n_max requests
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.verify:
+            raise ValueError("CostModel.verify: needs at least one measurement")
+
+    def verify_time(self, num_tokens: int) -> float:
+        """Time of a verify pass of `num_tokens`; linear extrapolation past the profiled range."""
+        return _lookup(self.verify, num_tokens)
+
+    def draft_time(self, num_reqs: int, positions: int) -> float:
+        """Time of `positions` sequential draft forwards over `num_reqs` requests."""
+        if not self.draft or positions <= 0 or num_reqs <= 0:
+            return 0.0
+        return positions * _lookup(self.draft, num_reqs)
+
+    def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0) -> float:
+        return self.verify_time(num_tokens) + self.draft_time(num_reqs, draft_positions)
+
+    # --- persistence -----------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": self.key, "verify": list(self.verify),
+                                    "draft": list(self.draft), "meta": self.meta}, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        raw = json.loads(Path(path).read_text())
+        return cls(raw["key"], tuple(raw["verify"]), tuple(raw.get("draft", ())), raw.get("meta", {}))
+
+    @classmethod
+    def linear(cls, fixed: float, per_token: float, b_max: int = 512, draft_fixed: float = 0.0,
+               n_max: int = 256) -> CostModel:
+        """A parametric model: fixed + per_token·B (tests and simulations)."""
+        verify = tuple(fixed + per_token * b for b in range(1, b_max + 1))
+        draft = tuple(draft_fixed for _ in range(n_max)) if draft_fixed else ()
+        return cls("linear", verify, draft)
+
+
+def _lookup(table: tuple[float, ...], n: int) -> float:
+    if n <= 0:
+        return 0.0
+    if n <= len(table):
+        return table[n - 1]
+    slope = (table[-1] - table[0]) / max(1, len(table) - 1)
+    return table[-1] + slope * (n - len(table))
+
+
+def monotone(values: list[float]) -> tuple[float, ...]:
+    """Running maximum: noise must not make a bigger batch look cheaper."""
+    out, best = [], 0.0
+    for v in values:
+        best = max(best, v)
+        out.append(best)
+    return tuple(out)
+
+
+def median_time(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hardware_key() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).replace(" ", "-")
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
+
+
+def cache_key(model_dirs: list[str | Path]) -> str:
+    """Model identity (config + weight sizes) and hardware, for the persisted profile's name."""
+    h = hashlib.sha256()
+    for d in model_dirs:
+        d = Path(d)
+        h.update((d / "config.json").read_bytes())
+        for f in sorted(d.glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{hardware_key()}-{h.hexdigest()[:12]}"

@@ -1,0 +1,236 @@
+"""Confidence-scheduled verification (DESIGN.md §3; the DSpark paper's §5.2 and Algorithm 1).
+
+Notation: request r has drafts x_1..x_γ with conditional confidences c_{r,j}; survival
+a_{r,j} = c_{r,1}···c_{r,j}; verifying a prefix of ℓ_r drafts commits 1 + Σ_{j≤ℓ_r} a_{r,j} tokens
+in expectation; a pass of B = Σ_r (1 + ℓ_r) tokens costs `step_time(B)` from the profiled cost model
+(plus drafting, for a proposer that drafts one position per forward).
+
+Policies (one interface, `coordinator.policy.Policy`):
+- `equal`: the production budget K, split evenly across requests;
+- `confidence-sync`: Algorithm 1: walk the slots in order of live survival (ties: smaller j,
+  then earlier request) adding one at a time; stop at the first slot that does not raise
+  Θ = E[tokens] / step_time. The early stop decides about slot (r, j) from slots ranked above
+  it only, so it never looks at x_j or at later candidates: lossless with live confidences;
+- `confidence`: production: K = argmax_K (R + Σ top-K stale a) / step_time(R + K) over survivals
+  from two steps back (a history ring per request, and a global one for requests that are
+  younger), then the K slots go to the largest *current* survivals. Stale inputs cannot leak the
+  current tokens, so the global argmax is safe.
+
+Confidence only prioritises: whatever is admitted is still verified by the target.
+When confidences do not depend on the drafts (tracked acceptance rates), the whole plan is made
+before drafting, so an autoregressive draft model drafts exactly what will be verified.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from dspark.coordinator.confidence import AcceptanceTracker
+from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
+from dspark.kernels.budget import allocate
+from dspark.messages import Drafts, StepState
+
+STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
+
+
+@dataclass(frozen=True)
+class Slot:
+    survival: float
+    req: int  # row in the batch
+    pos: int  # draft position j, 1-based
+
+
+def sorted_slots(survivals: torch.Tensor, limits: list[int]) -> list[Slot]:
+    """Every admissible (r, j), best first: key (−a, j, r). survivals: [num_reqs, max_draft]."""
+    slots = [
+        Slot(float(survivals[r, j]), r, j + 1)
+        for r, n in enumerate(limits)
+        for j in range(min(n, survivals.shape[1]))
+    ]
+    slots.sort(key=lambda s: (-s.survival, s.pos, s.req))
+    return slots
+
+
+def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
+    return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
+
+
+class BudgetedPolicy(Policy):
+    """Shared machinery: the cost model, confidences, the stale history and the step log."""
+
+    def __init__(self, gamma: int, cost: CostModel, tracker: AcceptanceTracker,
+                 a_priori: bool, sequential_drafts: bool) -> None:
+        if gamma < 1:
+            raise ValueError(f"k={gamma}: the block size γ must be >= 1")
+        self.gamma = gamma
+        self.cost = cost
+        self.tracker = tracker
+        self.a_priori = a_priori  # confidences known before drafting (tracked rates)
+        self.sequential_drafts = sequential_drafts  # drafting cost grows with positions
+        self._history: dict[str, deque[torch.Tensor]] = {}
+        self._global_history: deque[torch.Tensor] = deque(maxlen=STALE_STEPS)
+        self._budget = 0
+        self._planned: list[int] | None = None
+
+    # --- cost --------------------------------------------------------------------------------
+    def step_time(self, num_reqs: int, counts: list[int]) -> float:
+        positions = max(counts, default=0) if self.sequential_drafts else (1 if num_reqs else 0)
+        return self.cost.step_time(num_reqs + sum(counts), num_reqs, positions)
+
+    def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
+        """K maximising (R + Σ top-K a) / step_time, a global argmax over K."""
+        num_reqs = len(limits)
+        counts = [0] * num_reqs
+        tokens = float(num_reqs)
+        best_k, best = 0, tokens / self.step_time(num_reqs, counts)
+        for k, slot in enumerate(sorted_slots(survivals, limits), start=1):
+            counts[slot.req] += 1
+            tokens += slot.survival
+            theta = tokens / self.step_time(num_reqs, counts)
+            if theta > best:
+                best_k, best = k, theta
+        return best_k
+
+    def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
+        """Survivals from two steps back: the request's own row, else the batch mean row of two
+        steps back, else the tracker's global rates (its documented prior for a new deployment).
+        None of these can depend on the current step's drafts."""
+        rows = []
+        if len(self._global_history) == STALE_STEPS:
+            fallback = self._global_history[0]
+        else:
+            fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+        for r in req_ids:
+            hist = self._history.get(r)
+            rows.append(hist[0] if hist is not None and len(hist) == STALE_STEPS else fallback)
+        return torch.stack(rows) if rows else torch.zeros(0, self.gamma, dtype=torch.float64)
+
+    def _remember(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> None:
+        padded = torch.zeros(len(req_ids), self.gamma, dtype=torch.float64)
+        width = min(self.gamma, survivals.shape[1])
+        padded[:, :width] = survivals[:, :width]
+        for r, row in zip(req_ids, padded):
+            self._history.setdefault(r, deque(maxlen=STALE_STEPS)).append(row)
+        if len(req_ids):
+            self._global_history.append(padded.mean(dim=0))
+
+    # --- the Policy interface ------------------------------------------------------------------
+    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+        limits = [min(self.gamma, c) for c in caps]
+        self._planned = None
+        if self.a_priori:
+            conf = self.tracker.rates(req_ids)[:, : self.gamma]
+            self._budget, self._planned = self.plan_from(req_ids, survivals_of(conf), limits)
+            return list(self._planned)
+        self._budget = self.budget_before_drafting(req_ids, limits)
+        return [min(n, self._budget) for n in limits]
+
+    def choose_budget(self, drafts: Drafts) -> int:
+        if self._planned is None:
+            limits = drafts.num_drafts.tolist()
+            self._budget, self._planned = self.plan_from(
+                drafts.req_ids, survivals_of(drafts.confidences), limits, self._budget)
+        return self._budget
+
+    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
+        assert self._planned is not None, "choose_budget first"
+        planned = [min(p, n) for p, n in zip(self._planned, drafts.num_drafts.tolist())]
+        if drafts.confidences is not None:
+            self._remember(drafts.req_ids, survivals_of(drafts.confidences))
+        return planned
+
+    def observe(self, step: StepState) -> None:
+        for s in step.requests:
+            if s.finish_reason is not None:
+                self._history.pop(s.req_id, None)
+
+    # --- what differs between policies -----------------------------------------------------------
+    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]) -> int:
+        return self.best_budget(self.stale_survivals(req_ids), limits)
+
+    def plan_from(self, req_ids: tuple[str, ...], survivals: torch.Tensor, limits: list[int],
+                  budget: int | None = None) -> tuple[int, list[int]]:
+        """(K, ℓ per request) from current survivals."""
+        raise NotImplementedError
+
+
+class ConfidencePolicy(BudgetedPolicy):
+    """Production: K from stale survivals, slots by current survivals (top-K, key (−a, j))."""
+
+    name = "confidence"
+
+    def plan_from(self, req_ids, survivals, limits, budget=None):  # noqa: ANN001, ANN201
+        k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
+        counts = allocate(survivals, torch.tensor(limits, dtype=torch.long), k)
+        return k, counts.tolist()
+
+
+class ConfidenceSyncPolicy(BudgetedPolicy):
+    """Algorithm 1: greedy over live survivals with the early stop."""
+
+    name = "confidence-sync"
+
+    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]) -> int:
+        return sum(limits)  # live confidences decide after drafting
+
+    def plan_from(self, req_ids, survivals, limits, budget=None):  # noqa: ANN001, ANN201
+        num_reqs = len(limits)
+        counts = [0] * num_reqs
+        tokens = float(num_reqs)
+        theta = tokens / self.step_time(num_reqs, counts)
+        for slot in sorted_slots(survivals, limits):
+            counts[slot.req] += 1
+            new_theta = (tokens + slot.survival) / self.step_time(num_reqs, counts)
+            if new_theta <= theta:
+                counts[slot.req] -= 1
+                break
+            tokens, theta = tokens + slot.survival, new_theta
+        return sum(counts), counts
+
+
+class EqualPolicy(BudgetedPolicy):
+    """The production budget K split evenly (the remainder to the earliest requests with room)."""
+
+    name = "equal"
+
+    def plan_from(self, req_ids, survivals, limits, budget=None):  # noqa: ANN001, ANN201
+        k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
+        counts = [0] * len(limits)
+        left = min(k, sum(limits))
+        while left > 0:
+            room = [i for i, n in enumerate(limits) if counts[i] < n]
+            share = max(1, left // len(room))
+            for i in room:
+                take = min(share, limits[i] - counts[i], left)
+                counts[i] += take
+                left -= take
+                if left == 0:
+                    break
+        return k, counts
+
+
+POLICY_NAMES = ("off", "fixed", "equal", "confidence-sync", "confidence")
+_BUDGETED: dict[str, type[BudgetedPolicy]] = {
+    "equal": EqualPolicy,
+    "confidence-sync": ConfidenceSyncPolicy,
+    "confidence": ConfidencePolicy,
+}
+
+
+def make_policy(name: str, k: int, cost: CostModel | None = None,
+                tracker: AcceptanceTracker | None = None, a_priori: bool = True,
+                sequential_drafts: bool = False) -> Policy:
+    """Build a policy by name; `k` is ℓ for `fixed` and the block size γ for the others."""
+    if name == "off":
+        return OffPolicy()
+    if name == "fixed":
+        return FixedPolicy(k)
+    if name not in _BUDGETED:
+        raise ValueError(f"policy={name!r}: choose one of {list(POLICY_NAMES)}")
+    if cost is None or tracker is None:
+        raise ValueError(f"policy={name!r} needs a cost model and an acceptance tracker")
+    return _BUDGETED[name](k, cost, tracker, a_priori, sequential_drafts)

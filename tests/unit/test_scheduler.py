@@ -1,0 +1,113 @@
+"""Scheduler policies on fabricated drafts and step results (no model): case tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.coordinator.confidence import AcceptanceTracker
+from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.scheduler import make_policy, sorted_slots, survivals_of
+from dspark.messages import Drafts, RequestStep, StepState
+
+
+def drafts_of(conf: list[list[float]], ids: tuple[str, ...] | None = None) -> Drafts:
+    c = torch.tensor(conf, dtype=torch.float64)
+    ids = ids or tuple(f"r{i}" for i in range(len(conf)))
+    return Drafts(ids, torch.zeros(c.shape, dtype=torch.long), torch.full((len(conf),), c.shape[1]),
+                  None, c)
+
+
+def test_slots_sorted_by_survival_then_position_then_request() -> None:
+    surv = torch.tensor([[0.5, 0.5], [0.5, 0.25]], dtype=torch.float64)
+    order = [(s.req, s.pos) for s in sorted_slots(surv, [2, 2])]
+    assert order == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert [(s.req, s.pos) for s in sorted_slots(surv, [1, 0])] == [(0, 1)]
+
+
+@pytest.mark.parametrize(("conf", "per_token", "expected_k"), [
+    # step_time = 1 + per_token·B. With R = 1: K=0 gives 1/(1+c); adding slots helps while
+    # the marginal survival beats the marginal cost ratio.
+    ([[0.9, 0.9, 0.9]], 0.01, 3),
+    ([[0.9, 0.1, 0.1]], 0.5, 1),
+    ([[0.05, 0.05, 0.05]], 0.5, 0),
+])
+def test_confidence_sync_early_stop(conf, per_token: float, expected_k: int) -> None:
+    cost = CostModel.linear(1.0, per_token)
+    policy = make_policy("confidence-sync", 3, cost, AcceptanceTracker(3), a_priori=False)
+    d = drafts_of(conf)
+    policy.draft_lengths([3], d.req_ids)
+    k = policy.choose_budget(d)
+    assert k == expected_k
+    assert policy.plan_verification(d, k) == [expected_k]
+
+
+def test_sync_stops_at_first_non_improving_slot_even_if_later_would_help() -> None:
+    # SPS(1,2,3) = (1, .5, .45): adding slot 1 (a = .8) lowers Θ, so Algorithm 1 stops at 0
+    # although verifying both (a2 = .72) would beat plain decoding: that is its price for safety.
+    cost = CostModel("sps", verify=(1.0, 2.0, 1 / 0.45))
+    policy = make_policy("confidence-sync", 2, cost, AcceptanceTracker(2), a_priori=False)
+    d = drafts_of([[0.8, 0.9]])
+    policy.draft_lengths([2], d.req_ids)
+    assert policy.choose_budget(d) == 0
+
+
+def step_of(req_ids, planned, accepted) -> StepState:
+    return StepState(0, sum(planned), tuple(
+        RequestStep(r, p, p, a, (1,) * (a + 1), 10, None) for r, p, a in zip(req_ids, planned, accepted)))
+
+
+def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
+    cost = CostModel.linear(1.0, 0.3)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    high, low = [[0.95, 0.95, 0.95]], [[0.05, 0.05, 0.05]]
+    budgets = []
+    for conf in (high, low, low, low):
+        d = drafts_of(conf, ids)
+        policy.draft_lengths([3], ids)
+        k = policy.choose_budget(d)
+        budgets.append(k)
+        policy.plan_verification(d, k)
+        policy.observe(step_of(ids, [k], [0]))
+    # Steps 0 and 1 have no history: the tracker's prior (0.6 per position) gives K = 2;
+    # step 2 sees step 0 (high) and takes all 3; step 3 sees step 1 (low) and verifies nothing.
+    assert budgets == [2, 2, 3, 0]
+
+
+def test_confidence_allocates_budget_by_current_survivals() -> None:
+    cost = CostModel.linear(1.0, 0.0)  # free verification: K = every slot
+    policy = make_policy("confidence", 2, cost, AcceptanceTracker(2), a_priori=False)
+    d = drafts_of([[0.2, 0.9], [0.9, 0.9]])
+    lengths = policy.draft_lengths([2, 2], d.req_ids)
+    assert lengths == [2, 2]
+    k = policy.choose_budget(d)
+    assert k == 4 and policy.plan_verification(d, k) == [2, 2]
+
+
+def test_a_priori_plans_before_drafting_with_tracked_rates() -> None:
+    tracker = AcceptanceTracker(4)
+    for _ in range(50):  # position 1 always accepted, position 2 never
+        tracker.observe(step_of(("x",), [4], [1]))
+    rates = tracker.global_rates()
+    assert rates[0] > 0.9 and rates[1] < 0.1
+    policy = make_policy("confidence", 4, CostModel.linear(1.0, 0.2), tracker, a_priori=True)
+    lengths = policy.draft_lengths([4, 4], ("new1", "new2"))
+    assert lengths == [1, 1]  # the draft model drafts only what will be verified
+
+
+def test_tracker_counts_conditional_acceptance() -> None:
+    tracker = AcceptanceTracker(3)
+    tracker.observe(step_of(("r",), [3], [1]))  # pos 1 accepted, pos 2 rejected, pos 3 unreached
+    q = tracker._global
+    assert (q[0].reached, q[0].accepted) == (1, 1)
+    assert (q[1].reached, q[1].accepted) == (1, 0)
+    assert q[2].reached == 0
+    assert torch.all(survivals_of(tracker.rates(("r", "new"))) <= 1)
+
+
+def test_unknown_policy_and_missing_cost_are_refused() -> None:
+    with pytest.raises(ValueError, match="policy='best'"):
+        make_policy("best", 3)
+    with pytest.raises(ValueError, match="needs a cost model"):
+        make_policy("confidence", 3)
