@@ -18,6 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from typing import Protocol
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,8 @@ from dspark.demo import demo_path
 from dspark.draft_worker.draft_model import DraftModelProposer
 from dspark.draft_worker.ngram import NgramProposer
 from dspark.draft_worker.proposer import NoProposer, Proposer
-from dspark.messages import DraftQuery, Drafts, NewRequest, StepState, VerifyPlan
+from dspark.messages import DraftQuery, Drafts, NewRequest, StepState, VerifyPlan, VerifyResult
+from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import Tokenizer
 from dspark.sampling_params import SamplingParams
 from dspark.target_worker.runner import TargetRunner
@@ -43,6 +45,22 @@ from dspark.target_worker.runner import TargetRunner
 logger = logging.getLogger(__name__)
 
 PROPOSERS = ("draft-model", "ngram", "none")
+
+
+class TargetWorker(Protocol):
+    """What the coordinator needs from the target side, local or behind Ray."""
+
+    config: ModelConfig
+    max_model_len: int
+    num_blocks: int
+
+    def add_request(self, new: NewRequest) -> None: ...
+
+    def verify(self, plan: VerifyPlan) -> VerifyResult: ...
+
+    def rollback(self, lengths: dict[str, int]) -> None: ...
+
+    def release(self, req_id: str) -> None: ...
 Prompt = str | Sequence[int]
 
 
@@ -105,6 +123,7 @@ class Engine:
         seed: int = 0,
         cost_model: CostModel | str | Path | None = None,
         profile_dir: str | Path = Path.home() / ".cache" / "dspark" / "cost",
+        workers: tuple[TargetWorker, Proposer] | None = None,
     ) -> None:
         target_dir = Path(target) if target is not None else demo_path("target")
         proposer = proposer or "draft-model"
@@ -115,9 +134,13 @@ class Engine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         self.tokenizer = Tokenizer(target_dir)
-        self.proposer = self._make_proposer(proposer, drafter, target_dir, num_blocks, block_size, dtype)
-        hidden_layers = tuple(getattr(self.proposer, "hidden_layers", ()))
-        self.target = TargetRunner(target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers)
+        if workers is not None:
+            # Remote workers (Ray actor pools) speak the same verbs as the local ones.
+            self.target, self.proposer = workers
+        else:
+            self.proposer = self._make_proposer(proposer, drafter, target_dir, num_blocks, block_size, dtype)
+            hidden_layers = tuple(getattr(self.proposer, "hidden_layers", ()))
+            self.target = TargetRunner(target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers)
         self._check_vocab()
         self.tracker = AcceptanceTracker(max_draft=k)
         self.cost_model = self._cost_model(policy, cost_model, target_dir, drafter, profile_dir)
@@ -222,7 +245,7 @@ class Engine:
 
     def _admit(self) -> None:
         # Worst-case block accounting at admission: a running request never runs out of cache.
-        capacity = self.target.cache.num_blocks
+        capacity = self.target.num_blocks
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
             need = self._blocks_for(req)

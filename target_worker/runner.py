@@ -52,6 +52,10 @@ class TargetRunner:
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
 
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
     def add_request(self, new: NewRequest) -> None:
         self._params[new.req_id] = new.params
         self._generators[new.req_id] = torch.Generator().manual_seed(new.seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.engine import Engine
 from dspark.demo import demo_path
 from dspark.sampling_params import SamplingParams
@@ -54,3 +55,17 @@ def test_plain_decoding_equals_transformers_greedy(prompts: list[str]) -> None:
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         assert list(engine.generate([prompt], params)[0].token_ids) == ref
+
+
+@pytest.mark.parametrize("policy", ["equal", "confidence-sync", "confidence"])
+@pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
+def test_scheduled_policies_keep_greedy_identity(prompts, reference, proposer: str, policy: str) -> None:
+    # A cost model where verifying is cheap relative to a pass, so budgets vary across steps.
+    cost = CostModel.linear(3e-3, 1e-4)
+    engine = Engine(proposer=proposer, policy=policy, k=7, max_num_seqs=8, cost_model=cost)
+    outs = engine.generate(prompts[:24], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:24]
+    records = list(engine.stats.recent)
+    assert records and all(sum(r.planned) <= r.budget for r in records)
+    assert len({r.budget for r in records}) > 1  # the budget really adapts
+    assert engine.stats.verified_tokens > 0 and engine.stats.predicted_accepted > 0
