@@ -9,7 +9,7 @@ Example:
 
 from dspark.sampling_params import SamplingParams
 
-__all__ = ["Engine", "GenerationResult", "SamplingParams"]
+__all__ = ["AsyncClient", "Chunk", "Client", "Engine", "GenerationResult", "SamplingParams"]
 
 
 def __getattr__(name: str) -> object:
@@ -22,4 +22,9 @@ def __getattr__(name: str) -> object:
         from dspark.coordinator.request import GenerationResult
 
         return GenerationResult
+    if name in ("Client", "AsyncClient", "Chunk"):
+        # The gRPC SDK: grpc and the generated stubs load only when asked for.
+        from dspark import client
+
+        return getattr(client, name)
     raise AttributeError(f"module 'dspark' has no attribute {name!r}")

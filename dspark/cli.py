@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dspark.config import ServeConfig
 from dspark.sampling_params import SamplingParams
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -15,7 +16,7 @@ _PACKAGE = Path(__file__).resolve().parent
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target HF directory (default: the shipped demo target)")
-    p.add_argument("--proposer", choices=["draft-model", "ngram", "none"], default=None)
+    p.add_argument("--proposer", choices=["dspark", "draft-model", "ngram", "none"], default=None)
     p.add_argument("--drafter", help="draft checkpoint directory (default: the shipped demo one)")
     p.add_argument("--policy", choices=["off", "fixed", "equal", "confidence-sync", "confidence"],
                    default=None)
@@ -52,8 +53,20 @@ def _engine(a: argparse.Namespace):  # noqa: ANN202 - Engine imported lazily (to
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    engine = _engine(a)
-    out = engine.generate([a.prompt], _params(a))[0]
+    if a.server:
+        from dspark.client import Client
+        from dspark.errors import DSparkError
+
+        try:
+            with Client(a.server, timeout=a.timeout) as client:
+                out = client.generate(a.prompt, _params(a))
+        except DSparkError as e:
+            if isinstance(e, ValueError):
+                raise
+            print(f"dspark: error: {e}", file=sys.stderr)
+            return 1
+    else:
+        out = _engine(a).generate([a.prompt], _params(a))[0]
     if a.json:
         print(json.dumps({"token_ids": out.token_ids, "text": out.text,
                           "finish_reason": out.finish_reason, "stats": out.stats}))
@@ -61,6 +74,27 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(a.prompt + out.text)
         print(f"\n[{out.finish_reason}] {len(out.token_ids)} tokens, "
               f"mean accepted length {out.stats['mean_accepted_length']}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from dspark.coordinator.serve import start_service
+
+    service = start_service(ServeConfig.from_arguments(a))
+    print(f"dspark: serving on {service.address} ({service.mode} engine, proposer "
+          f"{service.config.proposer}, policy {service.engine.policy.name})", flush=True)
+    if service.metrics_port is not None:
+        print(f"dspark: metrics on http://{service.config.host}:{service.metrics_port}/metrics",
+              flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("dspark: stopping", flush=True)
+    service.stop()
     return 0
 
 
@@ -142,6 +176,38 @@ def cmd_train_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(a: argparse.Namespace) -> int:
+    """Train a DSpark drafter online against its target (resumes from OUT/train_state)."""
+    import torch
+
+    from dspark.training.drafter_training import DrafterTrainConfig, train_drafter
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = DrafterTrainConfig(
+        steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, num_anchors=a.num_anchors,
+        block_size=a.block_size, num_draft_layers=a.num_draft_layers,
+        target_layer_ids=tuple(a.target_layer_ids), markov_rank=a.markov_rank, lr=a.lr,
+        eval_every=a.eval_every, seed=a.seed,
+    )
+    log = train_drafter(a.target, a.out, cfg, resume=not a.no_resume)
+    print(json.dumps({"out": a.out, "train_seconds": log["train_seconds"], "final": log["train"][-1],
+                      "held_out": log["eval"][-1] if log["eval"] else None}))
+    return 0
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    """Fit STS temperatures on held-out data and store them in the drafter's config.json."""
+    from dspark.training.calibration import calibrate, print_table
+
+    plot = a.plot or str(Path(a.drafter) / "reliability.png")
+    report = calibrate(a.drafter, a.target, num_windows=a.num_windows, temperature=a.temperature,
+                       seed=a.seed, plot=plot, write=not a.dry_run)
+    print_table(report)
+    print(f"reliability diagram: {plot}")
+    return 0
+
+
 def _write_training_log(log: dict, out_dir: Path) -> None:
     import matplotlib
 
@@ -169,9 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("--prompt", required=True)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--server", default=None,
+                   help="generate on the dspark server at HOST:PORT (engine options are ignored)")
+    p.add_argument("--timeout", type=float, default=None, help="with --server: deadline in seconds")
     _engine_args(p)
     _sampling_args(p)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the gRPC API (default: local Ray, the demo models)")
+    ServeConfig.add_arguments(p)
+    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("demo", help="the main job: demo models, a few prompts, a speed summary")
     p.add_argument("--num-prompts", type=int, default=4)
@@ -201,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("demo-path", help="print the directory of a shipped demo checkpoint")
-    p.add_argument("name", choices=["target", "draft-model"])
+    p.add_argument("name", choices=["target", "draft-model", "dspark"])
     p.set_defaults(fn=cmd_demo_path)
 
     p = sub.add_parser("train-tokenizer", help="train the byte-level BPE on the stdlib source")
@@ -224,6 +297,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-demo", help="retrain all shipped demo artefacts (~40 min on 2 cores)")
     p.add_argument("--work-dir", default="runs/train-demo")
     p.set_defaults(fn=cmd_train_demo)
+
+    p = sub.add_parser("train-drafter", help="train a DSpark drafter online against its target")
+    p.add_argument("--target", required=True, help="target HF directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="drafter directory (resumable state in OUT/train_state)")
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch-size", type=int, default=8, help="token windows per step")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--num-anchors", type=int, default=32, help="blocks per window")
+    p.add_argument("--block-size", type=int, default=7, help="γ, drafts per block")
+    p.add_argument("--num-draft-layers", type=int, default=2)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 3, 5])
+    p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if state exists")
+    p.set_defaults(fn=cmd_train_drafter)
+
+    p = sub.add_parser("calibrate", help="fit STS temperatures of a DSpark drafter's confidence head")
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--num-windows", type=int, default=256, help="held-out windows per split (x8 blocks)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the blocks")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="reliability diagram PNG (default DRAFTER/reliability.png)")
+    p.add_argument("--dry-run", action="store_true", help="report only; leave config.json unchanged")
+    p.set_defaults(fn=cmd_calibrate)
     return parser
 
 
