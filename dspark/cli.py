@@ -170,7 +170,7 @@ def cmd_train_demo(a: argparse.Namespace) -> int:
     demo = _PACKAGE / "demo"
     tok = train_tokenizer(Path(a.work_dir) / "tokenizer")
     make_heldout_prompts(demo / "heldout_prompts.jsonl")
-    for preset, steps in (("draft-model", 1500), ("target", 1400)):
+    for preset, steps in (("draft-model", 1500), ("target", 1200)):
         log = train_lm(tok, demo / preset, TrainConfig(preset=preset, steps=steps))
         _write_training_log(log, Path(a.work_dir))
     return 0
@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["target", "draft-model"], default="target")
     p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json")
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
