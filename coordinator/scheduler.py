@@ -124,7 +124,7 @@ class BudgetedPolicy(Policy):
         self._planned = None
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
-            self._budget, self._planned = self.plan_from(req_ids, survivals_of(conf), limits)
+            self._budget, self._planned = self.plan_from(req_ids, conf, limits)
             return list(self._planned)
         self._budget = self.budget_before_drafting(req_ids, limits)
         return [min(n, self._budget) for n in limits]
@@ -133,7 +133,7 @@ class BudgetedPolicy(Policy):
         if self._planned is None:
             limits = drafts.num_drafts.tolist()
             self._budget, self._planned = self.plan_from(
-                drafts.req_ids, survivals_of(drafts.confidences), limits, self._budget)
+                drafts.req_ids, drafts.confidences, limits, self._budget)
         return self._budget
 
     def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
@@ -152,9 +152,9 @@ class BudgetedPolicy(Policy):
     def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]) -> int:
         return self.best_budget(self.stale_survivals(req_ids), limits)
 
-    def plan_from(self, req_ids: tuple[str, ...], survivals: torch.Tensor, limits: list[int],
+    def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],
                   budget: int | None = None) -> tuple[int, list[int]]:
-        """(K, ℓ per request) from current survivals."""
+        """(K, ℓ per request) from current conditional confidences [num_reqs, max_draft]."""
         raise NotImplementedError
 
 
@@ -163,9 +163,9 @@ class ConfidencePolicy(BudgetedPolicy):
 
     name = "confidence"
 
-    def plan_from(self, req_ids, survivals, limits, budget=None):  # noqa: ANN001, ANN201
+    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
-        counts = allocate(survivals, torch.tensor(limits, dtype=torch.long), k)
+        counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
         return k, counts.tolist()
 
 
@@ -177,7 +177,8 @@ class ConfidenceSyncPolicy(BudgetedPolicy):
     def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]) -> int:
         return sum(limits)  # live confidences decide after drafting
 
-    def plan_from(self, req_ids, survivals, limits, budget=None):  # noqa: ANN001, ANN201
+    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
+        survivals = survivals_of(confidences)
         num_reqs = len(limits)
         counts = [0] * num_reqs
         tokens = float(num_reqs)
@@ -197,7 +198,7 @@ class EqualPolicy(BudgetedPolicy):
 
     name = "equal"
 
-    def plan_from(self, req_ids, survivals, limits, budget=None):  # noqa: ANN001, ANN201
+    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
         counts = [0] * len(limits)
         left = min(k, sum(limits))

@@ -3,6 +3,15 @@
 Survival a_{r,j} = c_{r,1}···c_{r,j}. Slots past a request's drafts are excluded; ties go to the
 smaller position j, then the earlier request r (key (−a, j, r)). Since a never grows with j, the
 chosen slots form a prefix of each request's drafts, returned as per-request counts.
+
+Worked example (the seed's, DESIGN.md §3): c_1 = [.9, .8, .3], c_2 = [.6, .2, .1], K = 3.
+Survivals [.9, .72, .216] and [.6, .12, .012]; the top 3 are .9, .72, .6: counts (2, 1).
+
+There is no Triton kernel: `allocate` runs the torch reference on every device. Its caller, the
+coordinator's scheduler, holds confidences on the CPU, and the sizes are a few hundred requests
+times γ <= 16, a few thousand slots: CPU sorts take microseconds there, while a GPU kernel would
+first need a host-to-device copy, a launch and a copy back with a sync (tens of µs). It cannot
+pay at these sizes.
 """
 
 from __future__ import annotations
@@ -15,6 +24,11 @@ def allocate_ref(
     num_drafts: torch.Tensor,  # [num_reqs] int64 admissible drafts per request
     budget: int,
 ) -> torch.Tensor:  # [num_reqs] int64 counts, Σ = min(budget, Σ num_drafts)
+    """Counts ℓ_r of the `budget` largest survivals, key (−a, j, r); confidences clamped to [0, 1].
+
+    >>> allocate_ref(torch.tensor([[0.9, 0.8, 0.3], [0.6, 0.2, 0.1]]), torch.tensor([3, 3]), 3)
+    tensor([2, 1])
+    """
     num_reqs, max_draft = confidences.shape
     surv = torch.cumprod(confidences.to(torch.float64).clamp(0, 1), dim=1)
     pos = torch.arange(max_draft, device=confidences.device)
@@ -28,7 +42,11 @@ def allocate_ref(
     order = order[torch.argsort(flat_j[order], stable=True)]
     order = order[torch.argsort(-flat_a[order], stable=True)]
     chosen = flat_r[order[: max(0, budget)]]
-    return torch.bincount(chosen, minlength=num_reqs).to(torch.int64)
+    counts = torch.bincount(chosen, minlength=num_reqs).to(torch.int64)
+    # The prefix property: the counts select exactly the chosen slots, i.e. no slot outside a
+    # request's first ℓ_r is chosen. Holds since a_{r,j} <= a_{r,j-1} and ties go to smaller j.
+    assert bool((flat_j[order[: max(0, budget)]] < counts[chosen]).all()), "not a prefix"
+    return counts
 
 
 def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:

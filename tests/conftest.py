@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-import json
+import os
+
+import torch
+
+# Triton decides at its first import whether to interpret; transformers imports it early through
+# torch._dynamo, so the choice must be made before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
 import shutil
 from pathlib import Path
 

@@ -111,3 +111,12 @@ def test_unknown_policy_and_missing_cost_are_refused() -> None:
         make_policy("best", 3)
     with pytest.raises(ValueError, match="needs a cost model"):
         make_policy("confidence", 3)
+
+
+def test_allocation_ranks_survivals_not_products_of_survivals() -> None:
+    # Survivals r1 (.9, .81), r2 (.8): the top 2 are both of r1's slots. Ranking cumulative
+    # products of survivals instead (.9, .729 vs .8) would wrongly give (1, 1).
+    policy = make_policy("confidence", 2, CostModel.linear(1.0, 0.0), AcceptanceTracker(2),
+                         a_priori=False)
+    conf = torch.tensor([[0.9, 0.9], [0.8, 0.1]], dtype=torch.float64)
+    assert policy.plan_from(("a", "b"), conf, [2, 1], budget=2) == (2, [2, 0])

@@ -39,9 +39,9 @@ def test_expected_acceptance_allocation_beats_equal() -> None:
 def test_policies_plan_the_example() -> None:
     cost = CostModel.linear(1.0, 0.01)
     conf_policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
-    assert conf_policy.plan_from(("r1", "r2"), SURV, [3, 3], budget=3) == (3, [2, 1])
+    assert conf_policy.plan_from(("r1", "r2"), CONF, [3, 3], budget=3) == (3, [2, 1])
     k, counts = EqualPolicy(3, cost, AcceptanceTracker(3), False, False).plan_from(
-        ("r1", "r2"), SURV, [3, 3], budget=3)
+        ("r1", "r2"), CONF, [3, 3], budget=3)
     assert k == 3 and sorted(counts) == [1, 2]
 
 

@@ -1,0 +1,210 @@
+"""Paged attention and KV write kernels against their references (CUDA, else interpreted).
+
+Attention is compared with `paged_attention_ref` run in float64 on the same inputs, at
+(atol, rtol) = (1e-5, 1e-5) for float32, (2e-3, 2e-3) for float16 and (1.6e-2, 1.6e-2) for
+bfloat16 (CUDA only: triton's interpreter multiplies bfloat16 tiles as raw integers). The KV
+write is a copy: caches are compared with `torch.equal`. Shapes are small and irregular: ℓ = 0
+(one query token), ℓ = max, one request, positions on and across block and tile boundaries,
+GQA groups 1, 2 and 4, head dims 16, 24, 64 and 128.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dspark.kernels.dispatch import HAS_TRITON
+from dspark.kernels.paged_attention import (
+    AttentionMetadata,
+    kv_write,
+    kv_write_ref,
+    kv_write_triton,
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+)
+
+# Triton decides at its first import whether its library functions (tl.max, ...) are compiled
+# or interpreted. Without CUDA the kernels can only run interpreted, so this module asks for the
+# interpreter process-wide. If triton was already imported compiled (in a full run, transformers
+# imports it through torch._dynamo first), `test_in_fresh_process` runs this file anew.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+IN_PROCESS = HAS_TRITON and (
+    DEVICE == "cuda"
+    or "triton" not in sys.modules
+    or type(sys.modules["triton"].language.max).__name__ == "InterpretedFunction"
+)
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (Linux x86-64)")
+in_process = pytest.mark.skipif(
+    not IN_PROCESS, reason="triton was imported compiled first: test_in_fresh_process runs this"
+)
+
+TOLERANCES = {  # dtype: (atol, rtol) against the float64 reference
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(DEVICE == "cpu", reason="interpreter lacks bfloat16 dot"),
+    ),
+]
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="this file's tests run in this process")
+def test_in_fresh_process() -> None:
+    """This file's tests, in a new process where triton is first imported interpreted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _batch(
+    seed: int,
+    q_lens: list[int],  # new tokens per request (1 + ℓ for a verify block)
+    cached: list[int],  # tokens already in the cache before them
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and caches over shuffled physical blocks; unused slots hold large garbage."""
+    g = torch.Generator().manual_seed(seed)
+    num_reqs = len(q_lens)
+    seq_lens = [c + n for c, n in zip(cached, q_lens, strict=True)]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 3  # a few blocks nobody owns
+    physical = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((num_reqs, max(blocks) + 1), -1, dtype=torch.long)  # -1 padding
+    for r, n in enumerate(blocks):
+        tables[r, :n] = torch.tensor(physical[:n])
+        physical = physical[n:]
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, q_lens, strict=True)])
+    token_req = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(q_lens))
+    slots = tables[token_req, positions // block_size] * block_size + positions % block_size
+    cu = torch.zeros(num_reqs + 1, dtype=torch.long)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    meta = AttentionMetadata(
+        positions=positions, cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens),
+        block_tables=tables, slot_mapping=slots, block_size=block_size,
+        max_q=max(q_lens), max_ctx=max(seq_lens),
+    )  # fmt: skip
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, 100.0)  # garbage wherever no request has a key
+    v_cache = torch.full(shape, 100.0)
+    for r, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        b, o = tables[r, pos // block_size], pos % block_size
+        k_cache[b, o] = torch.randn(s, kv_heads, head_dim, generator=g)
+        v_cache[b, o] = torch.randn(s, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(positions), heads, head_dim, generator=g)
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), meta
+
+
+def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    fields = ("positions", "cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")
+    moved = {f: getattr(meta, f).to(device) for f in fields}
+    return AttentionMetadata(
+        **moved, block_size=meta.block_size, max_q=meta.max_q, max_ctx=meta.max_ctx
+    )
+
+
+CASES = {  # name: (q_lens, cached, heads, kv_heads, head_dim, block_size)
+    # ℓ = 0 (1 token) to ℓ = 8; 61..64 crosses a 64-key tile, 16.. starts on a block boundary
+    "verify_varlen_gqa4": ([1, 4, 9, 3], [0, 61, 130, 16], 8, 2, 16, 4),
+    "one_request_mha_d64": ([5], [15], 2, 2, 64, 16),  # positions 15..19 cross a block
+    "gqa4_d128_block_start": ([1, 8], [64, 200], 8, 2, 128, 16),  # position 64: block and tile
+    "prefill_tiles_gqa4": ([70, 2], [0, 5], 4, 1, 16, 8),  # 280 query rows: five 64-row tiles
+    "head_dim_24_gqa2": ([3, 1], [10, 0], 2, 1, 24, 4),  # a masked head-dim tail
+}
+
+
+@in_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_matches_float64_reference(name: str, dtype: torch.dtype) -> None:
+    seed = list(CASES).index(name) * 10 + DTYPES.index(dtype) if dtype != torch.bfloat16 else 99
+    q, k_cache, v_cache, meta = _batch(seed, *CASES[name], dtype)
+    scale = CASES[name][4] ** -0.5
+    got = paged_attention_triton(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                 _to(meta, DEVICE), scale).cpu()  # fmt: skip
+    want = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+
+
+@in_process
+def test_attention_reads_strided_q_and_dispatches_when_forced() -> None:
+    q, k_cache, v_cache, meta = _batch(7, [2, 3], [5, 9], 4, 2, 16, 4, torch.float32)
+    wide = torch.cat([q, torch.randn_like(q)], dim=1)  # q is a view with head stride 16
+    args = (wide[:, :4].to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), _to(meta, DEVICE))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DSPARK_KERNELS", "triton")
+        forced = paged_attention(*args, 0.25).cpu()
+    want = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta, 0.25)
+    torch.testing.assert_close(forced.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@in_process
+def test_attention_launcher_asserts_dtypes() -> None:
+    q, k_cache, v_cache, meta = _batch(8, [1], [3], 2, 1, 16, 4, torch.float32)
+    with pytest.raises(AssertionError):
+        paged_attention_triton(q.half(), k_cache, v_cache, meta, 1.0)
+    with pytest.raises(AssertionError):
+        bad = AttentionMetadata(**{**meta.__dict__, "seq_lens": meta.seq_lens.int()})
+        paged_attention_triton(q, k_cache, v_cache, bad, 1.0)
+
+
+@in_process
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
+def test_kv_write_matches_reference(dtype: torch.dtype) -> None:
+    """Slots of a varlen batch in shuffled blocks, on and across block boundaries."""
+    _, k_cache, v_cache, meta = _batch(20, [1, 6, 3], [3, 7, 0], 2, 2, 16, 4, dtype)
+    g = torch.Generator().manual_seed(21)
+    k = torch.randn(len(meta.slot_mapping), 2, 16, generator=g).to(dtype)
+    v = torch.randn(len(meta.slot_mapping), 2, 16, generator=g).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kv_write_ref(k, v, want_k, want_v, meta.slot_mapping)
+    got_k, got_v = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    kv_write_triton(k.to(DEVICE), v.to(DEVICE), got_k, got_v, meta.slot_mapping.to(DEVICE))
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+@in_process
+def test_kv_write_strided_inputs_int32_slots_and_padding() -> None:
+    """k, v as views of a fused projection; int32 slots; slot -1 (padding) writes nothing."""
+    g = torch.Generator().manual_seed(22)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16)
+    fused = torch.randn(5, 3, 2, 16, generator=g)  # [tokens, (q, k, v), kv_heads, head_dim]
+    k, v = fused[:, 1], fused[:, 2]
+    slots = torch.tensor([11, 0, -1, 4, 3], dtype=torch.int32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    kv_write_ref(k[real], v[real], want_k, want_v, slots[real].long())
+    got_k, got_v = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DSPARK_KERNELS", "triton")
+        kv_write(k.to(DEVICE), v.to(DEVICE), got_k, got_v, slots.to(DEVICE))
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+@in_process
+def test_kv_write_launcher_asserts_dtype() -> None:
+    cache = torch.zeros(2, 4, 1, 16)
+    with pytest.raises(AssertionError):
+        kv_write_triton(torch.zeros(1, 1, 16).half(), torch.zeros(1, 1, 16).half(), cache,
+                        cache.clone(), torch.tensor([0]))  # fmt: skip
