@@ -1,0 +1,292 @@
+"""Draft workers behind Ray: named actors holding one proposer each, and the pool client.
+
+`DraftActor` (named `draft-<i>` in namespace `dspark`) holds a proposer built by name
+(`draft-model`, `ngram`, `dspark`) and serves many requests. `DraftPool` is what the coordinator
+holds: it speaks the `Proposer` verbs and routes requests M:N over the actors, sticky per request
+(a request's draft state lives on one actor from `add_request` to `release`):
+
+- `add_request` assigns the request to the least-loaded actor (ties: the lowest index) in the
+  `RoutingTable`, the one place that maps requests to actors;
+- `commit` and `release` are queued per actor and travel with that actor's next `propose` call;
+  Ray runs one caller's calls to an actor in order, so every actor sees its verbs in the
+  coordinator's order;
+- `propose` sends each actor its queries (and queued verbs) concurrently, waits for all, and
+  merges the per-actor `Drafts` into one batch in the query order.
+
+Ray is imported lazily (see `dspark.target_worker.actor`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.messages import DraftQuery, Drafts, NewRequest
+
+NAMESPACE = "dspark"
+PROPOSER_NAMES = ("draft-model", "ngram", "dspark", "none")
+
+# A queued verb: ("add_request", NewRequest) | ("commit", (req_id, A)) | ("release", req_id)
+Op = tuple[str, Any]
+
+
+def draft_actor_name(index: int) -> str:
+    return f"draft-{index}"
+
+
+def make_proposer(
+    name: str,
+    drafter_dir: str | Path | None,
+    target_dir: str | Path | None,
+    num_blocks: int = 2048,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Any:
+    """A proposer by name: `draft-model` and `dspark` load `drafter_dir`; `ngram` and `none`
+    (plain decoding) need nothing."""
+    if name == "none":
+        from dspark.draft_worker.proposer import NoProposer
+
+        return NoProposer()
+    if name == "ngram":
+        from dspark.draft_worker.ngram import NgramProposer
+
+        return NgramProposer()
+    if drafter_dir is None:
+        raise ValueError(f"proposer {name!r} needs a drafter directory")
+    if name == "draft-model":
+        from dspark.draft_worker.draft_model import DraftModelProposer
+
+        return DraftModelProposer(drafter_dir, num_blocks, block_size, dtype, device)
+    if name == "dspark":
+        from dspark.draft_worker.dspark_proposer import DSparkProposer
+
+        return DSparkProposer(drafter_dir, target_dir, num_blocks, block_size, dtype, device)
+    raise ValueError(f"proposer={name!r}: choose one of {list(PROPOSER_NAMES)}")
+
+
+class DraftActor:
+    """One draft worker: a proposer serving the requests routed to it."""
+
+    def __init__(
+        self,
+        proposer: str,
+        drafter_dir: str | None,
+        target_dir: str | None,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        num_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(num_threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.proposer = make_proposer(
+            proposer, drafter_dir, target_dir, num_blocks, block_size, dtype, device
+        )
+        self._requests: set[str] = set()
+        self._served = 0  # requests ever added
+        self._busy = {"calls": 0, "seconds": 0.0}  # time inside `step`, for the transport cost
+
+    def info(self) -> dict[str, Any]:
+        """The proposer's attributes the coordinator reads (`getattr` on the proposer)."""
+        p = self.proposer
+        return {
+            "name": p.name,
+            "vocab_size": getattr(p, "vocab_size", None),
+            "max_model_len": getattr(p, "max_model_len", None),
+            "hidden_layers": tuple(getattr(p, "hidden_layers", ())),
+            "has_confidence_head": getattr(p, "has_confidence_head", False),
+            "sequential_drafts": getattr(p, "sequential_drafts", False),
+        }
+
+    def step(self, ops: Sequence[Op], queries: list[DraftQuery] | None) -> Drafts | None:
+        """Apply the queued verbs in order, then propose for `queries` (None: only apply)."""
+        start = time.perf_counter()
+        try:
+            return self._step(ops, queries)
+        finally:
+            self._busy["calls"] += 1
+            self._busy["seconds"] += time.perf_counter() - start
+
+    def _step(self, ops: Sequence[Op], queries: list[DraftQuery] | None) -> Drafts | None:
+        p = self.proposer
+        for verb, arg in ops:
+            if verb == "add_request":
+                p.add_request(arg)
+                self._requests.add(arg.req_id)
+                self._served += 1
+            elif verb == "commit":
+                p.commit(*arg)
+            elif verb == "release":
+                p.release(arg)
+                self._requests.discard(arg)
+            else:
+                raise ValueError(f"unknown draft verb {verb!r}")
+        return None if queries is None else p.propose(queries)
+
+    def busy(self) -> dict[str, float]:
+        """Calls of `step` and seconds spent inside them (the proposer's work)."""
+        return dict(self._busy)
+
+    def requests(self) -> dict[str, Any]:
+        """The requests whose draft state lives here (sorted) and how many were ever added."""
+        return {"held": sorted(self._requests), "served": self._served}
+
+
+class RoutingTable:
+    """Which actor holds which request: assigned once, sticky until released.
+
+    The one place routing lives (fault handling will reassign here).
+    """
+
+    def __init__(self, num_actors: int) -> None:
+        if num_actors < 1:
+            raise ValueError(f"num_actors={num_actors}: need at least one draft actor")
+        self._actor_of: dict[str, int] = {}
+        self._load = [0] * num_actors
+
+    def assign(self, req_id: str) -> int:
+        """Route a new request to the least-loaded actor (ties: the lowest index)."""
+        if req_id in self._actor_of:
+            raise ValueError(f"request {req_id!r} is already routed to {self._actor_of[req_id]}")
+        actor = min(range(len(self._load)), key=lambda i: (self._load[i], i))
+        self._actor_of[req_id] = actor
+        self._load[actor] += 1
+        return actor
+
+    def actor_of(self, req_id: str) -> int:
+        return self._actor_of[req_id]
+
+    def remove(self, req_id: str) -> int | None:
+        actor = self._actor_of.pop(req_id, None)
+        if actor is not None:
+            self._load[actor] -= 1
+        return actor
+
+    def loads(self) -> list[int]:
+        return list(self._load)
+
+
+class DraftPool:
+    """The coordinator's proposer over the draft actors (the `Proposer` verbs).
+
+    Example (a running Ray instance; see `dspark.coordinator.ray_workers.build_ray_workers`):
+        >>> target, pool = build_ray_workers(demo_path("target"), "ngram")  # doctest: +SKIP
+        >>> pool.routes.loads()  # doctest: +SKIP
+        [0, 0]
+    """
+
+    def __init__(
+        self, actors: Sequence[Any], info: dict[str, Any], placement_group: Any = None
+    ) -> None:
+        self.actors = list(actors)
+        self.placement_group = placement_group
+        self.routes = RoutingTable(len(self.actors))
+        self.name: str = info["name"]
+        self.vocab_size: int | None = info["vocab_size"]
+        self.max_model_len: int | None = info["max_model_len"]
+        self.hidden_layers: tuple[int, ...] = info["hidden_layers"]
+        self.has_confidence_head: bool = info["has_confidence_head"]
+        self.sequential_drafts: bool = info["sequential_drafts"]
+        self._ops: list[list[Op]] = [[] for _ in self.actors]
+        self.timing = {"propose_calls": 0, "propose_seconds": 0.0}
+
+    def add_request(self, new: NewRequest) -> None:
+        self._ops[self.routes.assign(new.req_id)].append(("add_request", new))
+
+    def commit(self, req_id: str, num_accepted: int) -> None:
+        self._ops[self.routes.actor_of(req_id)].append(("commit", (req_id, num_accepted)))
+
+    def release(self, req_id: str) -> None:
+        actor = self.routes.remove(req_id)
+        if actor is not None:
+            self._ops[actor].append(("release", req_id))
+
+    def propose(self, queries: list[DraftQuery]) -> Drafts:
+        import ray
+
+        start = time.perf_counter()
+        per_actor: dict[int, list[int]] = {}  # actor -> positions in `queries`
+        for i, q in enumerate(queries):
+            per_actor.setdefault(self.routes.actor_of(q.req_id), []).append(i)
+        calls: list[tuple[int, Any]] = []
+        for a, actor in enumerate(self.actors):
+            rows = per_actor.get(a)
+            if rows is None and not self._ops[a]:
+                continue
+            ops, self._ops[a] = self._ops[a], []
+            sub = None if rows is None else [queries[i] for i in rows]
+            calls.append((a, actor.step.remote(ops, sub)))
+        outs = ray.get([ref for _, ref in calls])
+        parts = [(per_actor[a], d) for (a, _), d in zip(calls, outs, strict=True) if d is not None]
+        merged = merge_drafts(tuple(q.req_id for q in queries), parts)
+        self.timing["propose_calls"] += 1
+        self.timing["propose_seconds"] += time.perf_counter() - start
+        return merged
+
+    def flush(self) -> None:
+        """Send the queued verbs now (they otherwise travel with the next `propose`)."""
+        import ray
+
+        refs = []
+        for a, actor in enumerate(self.actors):
+            if self._ops[a]:
+                ops, self._ops[a] = self._ops[a], []
+                refs.append(actor.step.remote(ops, None))
+        ray.get(refs)
+
+    def busy(self) -> list[dict[str, float]]:
+        """Each actor's time inside its calls (the rest of `timing` is transport and waiting)."""
+        import ray
+
+        return ray.get([a.busy.remote() for a in self.actors])
+
+    def actor_requests(self) -> list[dict[str, Any]]:
+        """Each actor's own account: requests held now (`held`) and ever added (`served`)."""
+        import ray
+
+        self.flush()
+        return ray.get([a.requests.remote() for a in self.actors])
+
+
+def merge_drafts(req_ids: tuple[str, ...], parts: Sequence[tuple[Sequence[int], Drafts]]) -> Drafts:
+    """One `Drafts` in `req_ids` order from per-actor `Drafts` (part rows land at `positions`).
+
+    Padding follows `Drafts`: token ids -1, q zero past each row's drafts. A part without q
+    (`probs=None`: deterministic drafts) gets one-hot rows at its tokens when another part has q.
+    """
+    n = len(req_ids)
+    width = max((d.token_ids.shape[1] for _, d in parts), default=0)
+    token_ids = torch.full((n, width), -1, dtype=torch.long)  # [num_reqs, max_draft]
+    num_drafts = torch.zeros(n, dtype=torch.long)  # [num_reqs]
+    vocab = next((d.probs.shape[2] for _, d in parts if d.probs is not None), None)
+    probs = None if vocab is None else torch.zeros(n, width, vocab, dtype=torch.float64)
+    with_conf = [d.confidences is not None for _, d in parts]
+    assert all(with_conf) or not any(with_conf), "draft actors disagree on confidences"
+    confidences = None
+    first_conf = parts[0][1].confidences if parts else None
+    if first_conf is not None:
+        confidences = torch.zeros(n, width, dtype=first_conf.dtype)
+    for positions, d in parts:
+        rows = torch.tensor(list(positions), dtype=torch.long)
+        assert tuple(req_ids[i] for i in positions) == d.req_ids, "actor answered other requests"
+        w = d.token_ids.shape[1]
+        token_ids[rows, :w] = d.token_ids
+        num_drafts[rows] = d.num_drafts
+        if probs is not None:
+            probs[rows, :w] = d.probs if d.probs is not None else _one_hot(d, probs.shape[2])
+        if confidences is not None and d.confidences is not None:
+            confidences[rows, :w] = d.confidences
+    return Drafts(req_ids, token_ids, num_drafts, probs, confidences)
+
+
+def _one_hot(d: Drafts, vocab: int) -> torch.Tensor:  # [rows, width, vocab] float64
+    out = torch.zeros(*d.token_ids.shape, vocab, dtype=torch.float64)
+    valid = d.token_ids >= 0
+    out[valid, d.token_ids[valid]] = 1.0
+    return out
