@@ -81,11 +81,21 @@ def _lookup(table: tuple[float, ...], n: int) -> float:
 
 
 def monotone(values: list[float]) -> tuple[float, ...]:
-    """Running maximum: noise must not make a bigger batch look cheaper."""
-    out, best = [], 0.0
+    """The closest non-decreasing sequence (isotonic regression, pool adjacent violators).
+
+    A larger batch never costs less; unlike a running maximum, one noisy outlier at a small
+    size only pools with its neighbours instead of raising every later entry.
+    """
+    blocks: list[list[float]] = []  # [sum, count]
     for v in values:
-        best = max(best, v)
-        out.append(best)
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out.extend([total / count] * int(count))
     return tuple(out)
 
 

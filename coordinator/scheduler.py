@@ -125,8 +125,15 @@ class BudgetedPolicy(Policy):
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
+            # Remember the whole γ-long rows, not only what gets drafted: a step that verifies
+            # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
+            self._remember(req_ids, survivals_of(conf))
             return list(self._planned)
         self._budget = self.budget_before_drafting(req_ids, limits)
+        if not self.sequential_drafts:
+            # A parallel drafter (DSpark) pays the same for γ drafts as for one: draft the whole
+            # block, so every step observes fresh confidences for the history.
+            return limits
         return [min(n, self._budget) for n in limits]
 
     def choose_budget(self, drafts: Drafts) -> int:
@@ -139,7 +146,7 @@ class BudgetedPolicy(Policy):
     def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
         assert self._planned is not None, "choose_budget first"
         planned = [min(p, n) for p, n in zip(self._planned, drafts.num_drafts.tolist())]
-        if drafts.confidences is not None:
+        if not self.a_priori and drafts.confidences is not None:
             self._remember(drafts.req_ids, survivals_of(drafts.confidences))
         return planned
 

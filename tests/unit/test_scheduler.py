@@ -120,3 +120,26 @@ def test_allocation_ranks_survivals_not_products_of_survivals() -> None:
                          a_priori=False)
     conf = torch.tensor([[0.9, 0.9], [0.8, 0.1]], dtype=torch.float64)
     assert policy.plan_from(("a", "b"), conf, [2, 1], budget=2) == (2, [2, 0])
+
+
+def test_budget_recovers_after_steps_without_speculation() -> None:
+    # Regression: the history once stored only drafted positions, so a step with K = 0 left
+    # zero survivals and two steps later K = 0 again, forever.
+    tracker = AcceptanceTracker(3)
+    cost = CostModel.linear(1.0, 2.0)  # verification so dear that K = 0 at the prior rates
+    policy = make_policy("confidence", 3, cost, tracker, a_priori=True)
+    for _ in range(3):
+        assert policy.draft_lengths([3], ("a",)) == [0]
+    for _ in range(200):  # everything gets accepted from now on
+        tracker.observe(step_of(("z",), [3], [3]))
+    policy.cost = CostModel.linear(1.0, 0.05)
+    lengths = [policy.draft_lengths([3], ("a",))[0] for _ in range(3)]
+    assert lengths[-1] == 3
+
+
+def test_monotone_fit_pools_outliers_instead_of_propagating_them() -> None:
+    from dspark.coordinator.cost_model import monotone
+
+    fit = monotone([5.0, 1.0, 1.0, 1.0, 2.0, 3.0])
+    assert all(a <= b for a, b in zip(fit, fit[1:]))
+    assert fit[-1] == 3.0 and fit[0] == 2.0  # the spike pools with its neighbours
