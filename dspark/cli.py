@@ -101,7 +101,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from dspark.bench import run_demo
 
-    run_demo(num_prompts=a.num_prompts, max_tokens=a.max_tokens)
+    run_demo(num_prompts=a.num_prompts, max_tokens=a.max_tokens, in_process=a.in_process)
     return 0
 
 
@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: demo models, a few prompts, a speed summary")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--in-process", action="store_true", help="serve without Ray")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("bench", help="core benchmark: proposers side by side, T=0 and T=1")
