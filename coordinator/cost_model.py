@@ -49,6 +49,14 @@ class CostModel:
     def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0) -> float:
         return self.verify_time(num_tokens) + self.draft_time(num_reqs, draft_positions)
 
+    def step_times(
+        self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor
+    ) -> torch.Tensor:  # [n] float64
+        """`step_time` for many verify sizes at once (num_tokens, draft_positions: [n] int)."""
+        verify = _lookup_many(self.verify, num_tokens)
+        per_position = _lookup(self.draft, num_reqs) if self.draft and num_reqs > 0 else 0.0
+        return verify + per_position * draft_positions.clamp(min=0).to(torch.float64)
+
     # --- persistence -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -78,6 +86,15 @@ def _lookup(table: tuple[float, ...], n: int) -> float:
         return table[n - 1]
     slope = (table[-1] - table[0]) / max(1, len(table) - 1)
     return table[-1] + slope * (n - len(table))
+
+
+def _lookup_many(table: tuple[float, ...], n: torch.Tensor) -> torch.Tensor:
+    """`_lookup` over a tensor of sizes (the same extrapolation past the table)."""
+    t = torch.tensor(table, dtype=torch.float64)
+    slope = (table[-1] - table[0]) / max(1, len(table) - 1)
+    inside = t[(n.clamp(1, len(table)) - 1)]
+    beyond = table[-1] + slope * (n - len(table)).to(torch.float64)
+    return torch.where(n <= 0, 0.0, torch.where(n <= len(table), inside, beyond))
 
 
 def monotone(values: list[float]) -> tuple[float, ...]:

@@ -55,6 +55,19 @@ def sorted_slots(survivals: torch.Tensor, limits: list[int]) -> list[Slot]:
     return slots
 
 
+def sorted_survivals(survivals: torch.Tensor, limits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, j) of every admissible slot, best first by key (−a, j, r): each [num_slots]."""
+    num_reqs, width = survivals.shape
+    pos = torch.arange(1, width + 1).expand(num_reqs, width)
+    req = torch.arange(num_reqs)[:, None].expand(num_reqs, width)
+    valid = pos <= torch.tensor(limits, dtype=torch.long)[:, None]
+    a, j, r = survivals[valid], pos[valid], req[valid]
+    order = torch.argsort(r, stable=True)
+    order = order[torch.argsort(j[order], stable=True)]
+    order = order[torch.argsort(-a[order], stable=True)]
+    return a[order], j[order]
+
+
 def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
     return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
 
@@ -82,18 +95,20 @@ class BudgetedPolicy(Policy):
         return self.cost.step_time(num_reqs + sum(counts), num_reqs, positions)
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
-        """K maximising (R + Σ top-K a) / step_time, a global argmax over K."""
+        """K maximising (R + Σ top-K a) / step_time, a global argmax over K (the smallest K on
+        ties). Vectorised over K: it runs every step over up to R·γ slots."""
         num_reqs = len(limits)
-        counts = [0] * num_reqs
-        tokens = float(num_reqs)
-        best_k, best = 0, tokens / self.step_time(num_reqs, counts)
-        for k, slot in enumerate(sorted_slots(survivals, limits), start=1):
-            counts[slot.req] += 1
-            tokens += slot.survival
-            theta = tokens / self.step_time(num_reqs, counts)
-            if theta > best:
-                best_k, best = k, theta
-        return best_k
+        a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
+        tokens = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), a.cumsum(0)])
+        ks = torch.arange(a.numel() + 1)
+        if self.sequential_drafts:
+            # A request's j-th slot always follows its (j−1)-th, so the longest draft among the
+            # first K slots, i.e. the sequential positions to draft, is a running max of j.
+            positions = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
+        else:
+            positions = torch.full_like(ks, 1 if num_reqs else 0)
+        times = self.cost.step_times(num_reqs + ks, num_reqs, positions)
+        return int(torch.argmax(tokens / times))
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
         """Survivals from two steps back: the request's own row, else the batch mean row of two

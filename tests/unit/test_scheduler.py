@@ -143,3 +143,11 @@ def test_monotone_fit_pools_outliers_instead_of_propagating_them() -> None:
     fit = monotone([5.0, 1.0, 1.0, 1.0, 2.0, 3.0])
     assert all(a <= b for a, b in zip(fit, fit[1:]))
     assert fit[-1] == 3.0 and fit[0] == 2.0  # the spike pools with its neighbours
+
+
+def test_vectorised_step_times_equal_scalar_lookup() -> None:
+    cost = CostModel("t", verify=(1.0, 1.5, 2.5, 3.0), draft=(0.1, 0.2))
+    n = torch.tensor([0, 1, 3, 4, 7])
+    pos = torch.tensor([0, 1, 2, 3, 4])
+    expected = [cost.step_time(int(b), 2, int(p)) for b, p in zip(n, pos)]
+    assert cost.step_times(n, 2, pos).tolist() == pytest.approx(expected)
