@@ -34,6 +34,7 @@ from dspark.coordinator.scheduler import POLICY_NAMES, make_policy, survivals_of
 from dspark.coordinator.request import GenerationResult, Request
 from dspark.demo import demo_path
 from dspark.draft_worker.draft_model import DraftModelProposer
+from dspark.draft_worker.dspark_proposer import DSparkProposer
 from dspark.draft_worker.ngram import NgramProposer
 from dspark.draft_worker.proposer import NoProposer, Proposer
 from dspark.messages import DraftQuery, Drafts, NewRequest, StepState, VerifyPlan, VerifyResult
@@ -44,7 +45,7 @@ from dspark.target_worker.runner import TargetRunner
 
 logger = logging.getLogger(__name__)
 
-PROPOSERS = ("draft-model", "ngram", "none")
+PROPOSERS = ("dspark", "draft-model", "ngram", "none")
 
 
 class TargetWorker(Protocol):
@@ -153,8 +154,9 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.max_model_len = self.target.max_model_len
-        if isinstance(self.proposer, DraftModelProposer):
-            self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
+        draft_len = getattr(self.proposer, "max_model_len", None)
+        if draft_len is not None:
+            self.max_model_len = min(self.max_model_len, draft_len)
         eos = set(self.target.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -178,6 +180,9 @@ class Engine:
             return NoProposer()
         if name == "ngram":
             return NgramProposer()
+        if name == "dspark":
+            path = Path(drafter) if drafter is not None else demo_path("dspark")
+            return DSparkProposer(path, target_dir, num_blocks, block_size, dtype)
         path = Path(drafter) if drafter is not None else demo_path("draft-model")
         return DraftModelProposer(path, num_blocks, block_size, dtype)
 
@@ -191,6 +196,10 @@ class Engine:
             return CostModel.load(given)
         if policy in ("off", "fixed"):
             return None
+        if not hasattr(self.target, "model"):
+            raise ValueError(
+                f"policy={policy!r} with remote workers needs cost_model= (measure one with `dspark profile`)"
+            )
         draft_model = getattr(self.proposer, "model", None) if getattr(
             self.proposer, "sequential_drafts", False) else None
         draft_dir = getattr(self.proposer, "path", None) if draft_model is not None else None

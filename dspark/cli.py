@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-drafter", help="train a DSpark drafter online against its target")
     p.add_argument("--target", required=True, help="target HF directory (with its tokenizer)")
     p.add_argument("--out", required=True, help="drafter directory (resumable state in OUT/train_state)")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=850)
     p.add_argument("--batch-size", type=int, default=8, help="token windows per step")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--num-anchors", type=int, default=32, help="blocks per window")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEMO_MODELS = ("target", "draft-model")
+DEMO_MODELS = ("target", "draft-model", "dspark")
 _ROOT = Path(__file__).resolve().parent
 
 

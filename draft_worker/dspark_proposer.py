@@ -1,0 +1,240 @@
+"""DSpark proposer: a block of γ drafts per request in one drafter pass (DESIGN.md §5).
+
+Draft state per request is the projected context only: for each draft layer, the keys/values of
+one context row per committed target position (every committed token but the anchor), in a paged
+cache. Rows come from verified target positions alone (the target runner's hidden states, relayed
+by the engine as `DraftQuery.new_hidden`), so a rejected draft never enters them and `commit`
+has nothing to roll back (DESIGN.md §4, invariant 2). Each `propose` appends the new rows, runs
+the block [anchor, MASK×(γ−1)] at positions P..P+γ−1 over the context, and keeps none of the
+block's keys/values. A request whose context is not complete yet (its first step, before any
+target pass) gets no drafts.
+
+Sampling: the Markov head's corrected logits are warped with the request's own temperature,
+top-k and top-p (`warp_probs`, the warp the target's p gets) into q_k and sampled left to
+right from the request's draft generator; greedy requests take the argmax (q one-hot, not
+materialised). Confidences are the conditional c_k of the confidence head, STS-calibrated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark.draft_worker.dspark_checkpoint import load_drafter
+from dspark.draft_worker.dspark_model import DSparkDrafter
+from dspark.kernels.paged_attention import kv_write
+from dspark.kernels.sampling import sample_from_probs, warp_probs
+from dspark.messages import DraftQuery, Drafts, NewRequest
+from dspark.models.kv_cache import PagedKVCache
+from dspark.sampling_params import SamplingParams
+
+# Draft randomness comes from a generator seeded apart from the target's (and the draft model's).
+_DSPARK_SEED_OFFSET = 0xD5A4C
+
+
+@dataclass
+class _DSparkState:
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # committed tokens known to the drafter
+
+
+class DSparkProposer:
+    name = "dspark"
+    sequential_drafts = False  # one block pass whatever γ: drafting cost does not grow with ℓ
+
+    def __init__(
+        self,
+        drafter_dir: str | Path,
+        target_dir: str | Path | None,
+        num_blocks: int = 2048,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> None:
+        self.path = Path(drafter_dir)
+        self.model: DSparkDrafter = load_drafter(drafter_dir, target_dir, dtype, device)
+        cfg = self.model.config
+        self.has_confidence_head = cfg.enable_confidence_head
+        lc = cfg.layers
+        self.hidden_layers: tuple[int, ...] = (
+            cfg.target_layer_ids
+        )  # the engine asks the target for these
+        self.vocab_size = lc.vocab_size
+        self.gamma = cfg.block_size
+        self.device, self.dtype = device, dtype
+        self.cache = PagedKVCache(
+            lc.num_hidden_layers,
+            lc.num_key_value_heads,
+            lc.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
+        self._states: dict[str, _DSparkState] = {}
+
+    def add_request(self, new: NewRequest) -> None:
+        gen = torch.Generator().manual_seed((new.seed + _DSPARK_SEED_OFFSET) % 2**63)
+        self._states[new.req_id] = _DSparkState(params=new.params, generator=gen)
+
+    def context_length(self, req_id: str) -> int:
+        """Context rows held for `req_id` (the committed target positions seen so far)."""
+        return self.cache.length(req_id)
+
+    @torch.inference_mode()
+    def propose(self, queries: list[DraftQuery]) -> Drafts:
+        self._ingest(queries)
+        counts = [min(q.num_drafts, self.gamma) if self._ready(q.req_id) else 0 for q in queries]
+        n, width = len(queries), max(counts, default=0)
+        ids = torch.full((n, width), -1, dtype=torch.long)
+        conf = torch.zeros(n, width, dtype=torch.float64)
+        rows = [i for i, c in enumerate(counts) if c > 0]
+        greedy = all(self._states[queries[i].req_id].params.greedy for i in rows)
+        probs = None if greedy else torch.zeros(n, width, self.vocab_size, dtype=torch.float64)
+        if rows:
+            req_ids = [queries[i].req_id for i in rows]
+            tokens, q_probs, c = self._draft(req_ids, [counts[i] for i in rows], greedy)
+            index = torch.tensor(rows)
+            ids[index] = tokens
+            conf[index] = c.to(torch.float64)
+            if probs is not None:
+                probs[index] = q_probs
+        return Drafts(
+            req_ids=tuple(q.req_id for q in queries),
+            token_ids=ids,
+            num_drafts=torch.tensor(counts, dtype=torch.long),
+            probs=probs,
+            confidences=conf if self.model.confidence_head is not None else None,
+        )
+
+    def _ready(self, req_id: str) -> bool:
+        # Drafting needs the context of every committed position before the anchor.
+        n = self.cache.length(req_id)
+        return 0 < n == len(self._states[req_id].tokens) - 1
+
+    def _ingest(self, queries: list[DraftQuery]) -> None:
+        """Append new committed tokens and project the new target hidden rows into the cache."""
+        hidden, positions, slots = [], [], []
+        for q in queries:
+            state = self._states[q.req_id]
+            state.tokens.extend(q.new_token_ids)
+            if q.new_hidden is None or q.new_hidden.shape[0] == 0:
+                continue
+            start, m = self.cache.length(q.req_id), q.new_hidden.shape[0]
+            assert start + m <= len(state.tokens) - 1, (q.req_id, start, m, len(state.tokens))
+            self.cache.reserve(q.req_id, start + m)
+            hidden.append(q.new_hidden)
+            positions.append(torch.arange(start, start + m))
+            slots.append(self.cache.slots(q.req_id, start, start + m))
+        if not hidden:
+            return
+        rows = self.model.context_rows(torch.cat(hidden).to(self.device, self.dtype))
+        kv = self.model.context_kv(rows, torch.cat(positions).to(self.device))
+        slot_mapping = torch.cat(slots).to(self.device)
+        for i, (k, v) in enumerate(kv):
+            kv_write(k, v, self.cache.k[i], self.cache.v[i], slot_mapping)
+
+    def _gather_context(
+        self, req_ids: list[str]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per layer k, v [R, C, kv_heads, hd] of each request's context, and lengths [R]."""
+        lens = torch.tensor([self.cache.length(r) for r in req_ids])
+        bs = self.cache.block_size
+        pos = torch.arange(int(lens.max()))
+        table = self.cache.block_table(req_ids).cpu()
+        slots = (table[:, pos // bs].clamp(min=0) * bs + pos % bs).to(self.device)  # [R, C]
+        kv = []
+        for i in range(self.cache.k.shape[0]):
+            k = self.cache.k[i].view(-1, *self.cache.k.shape[3:])
+            v = self.cache.v[i].view(-1, *self.cache.v.shape[3:])
+            kv.append((k[slots], v[slots]))
+        return kv, lens
+
+    def _draft(
+        self, req_ids: list[str], counts: list[int], greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Tokens [R, width] (-1 past each count), q [R, width, vocab] or None, c [R, width]."""
+        ctx_kv, lens = self._gather_context(req_ids)
+        num, gamma, ctx = len(req_ids), self.gamma, int(lens.max())
+        ctx_ok = torch.arange(ctx)[None, :] < lens[:, None]  # [R, C]
+        mask = torch.cat(
+            [
+                ctx_ok[:, None, :].expand(num, gamma, ctx),
+                torch.ones(num, gamma, gamma, dtype=torch.bool),
+            ],
+            dim=-1,
+        )
+        anchors = torch.tensor([self._states[r].tokens[-1] for r in req_ids])
+        positions = lens[:, None] + torch.arange(gamma)  # block slot k at anchor position + k
+        h = self.model.run_blocks(
+            self.model.block_inputs(anchors).to(self.device),
+            positions.to(self.device),
+            ctx_kv,
+            mask[:, None].to(self.device),
+        )  # [R, γ, d]
+        tokens, probs = self._sample_markov(
+            req_ids, counts, self.model.base_logits(h), anchors, greedy
+        )
+        width = max(counts)
+        prev = torch.cat([anchors[:, None], tokens[:, : width - 1]], dim=1).clamp(min=0)
+        z = self.model.confidence_logits(h[:, :width], prev.to(self.device))
+        conf = torch.zeros(num, width) if z is None else self.model.calibrated(z).cpu()
+        valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+        return tokens, probs, conf * valid
+
+    def _sample_markov(
+        self,
+        req_ids: list[str],
+        counts: list[int],
+        base: torch.Tensor,
+        anchors: torch.Tensor,
+        greedy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left to right: logits_k = U_k + W2(W1[x_{k−1}]), x_0 the anchor; keep each q_k."""
+        num, width = len(req_ids), max(counts)
+        tokens = torch.full((num, width), -1, dtype=torch.long)
+        probs = None if greedy else torch.zeros(num, width, self.vocab_size, dtype=torch.float64)
+        prev = anchors.clone()
+        for j in range(width):
+            rows = torch.tensor([i for i, c in enumerate(counts) if c > j])
+            logits = base[rows.to(self.device), j] + self.model.markov_bias(
+                prev[rows].to(self.device)
+            )
+            if probs is None:
+                step = logits.argmax(dim=-1).cpu()
+            else:
+                q = self._warp([req_ids[i] for i in rows.tolist()], logits.float().cpu())
+                u = torch.stack(
+                    [
+                        torch.rand(
+                            (), dtype=torch.float64, generator=self._states[req_ids[i]].generator
+                        )
+                        for i in rows.tolist()
+                    ]
+                )
+                step = sample_from_probs(q, u)
+                probs[rows, j] = q
+            tokens[rows, j] = step
+            prev[rows] = step
+        return tokens, probs
+
+    def _warp(self, req_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
+        params = [self._states[r].params for r in req_ids]
+        return warp_probs(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float64),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        )
+
+    def commit(self, req_id: str, num_accepted: int) -> None:
+        # Nothing to roll back: the block's keys/values were never stored, and the context grows
+        # only from verified positions (the next query brings the A + 1 new rows).
+        assert req_id in self._states, req_id
+
+    def release(self, req_id: str) -> None:
+        self.cache.release(req_id)
+        self._states.pop(req_id, None)

@@ -1,0 +1,200 @@
+"""Invariants 1 and 2 of DESIGN.md §4 for the DSpark draft state, property-tested.
+
+The DSpark proposer's only state is the projected context: per draft layer, the keys/values of
+one row per committed target position before the anchor. After every step, (rows the proposer
+holds) + (rows the engine is relaying) = committed tokens − 1, and the held rows equal a fresh
+projection of a fresh target prefill of the committed tokens; rejected drafts never enter them.
+Random per-request ℓ and accept patterns (sampled drafts at T = 1, greedy at T = 0), EOS/stop
+and max_tokens cut-offs, and rebuilds (both caches dropped mid-generation and recomputed by
+prefill from the committed tokens). Once every request is done no block is left allocated.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_checkpoints import write_tiny_checkpoint
+
+from dspark.coordinator.engine import Engine
+from dspark.coordinator.policy import Policy
+from dspark.draft_worker.dspark_checkpoint import new_drafter, save_drafter
+from dspark.draft_worker.dspark_proposer import DSparkProposer
+from dspark.messages import Drafts, NewRequest
+from dspark.sampling_params import SamplingParams
+
+ATOL, RTOL = 2e-5, 1e-4
+
+
+class RandomPolicy(Policy):
+    """Test double: random draft lengths and a random verified prefix per request."""
+
+    name = "random"
+
+    def __init__(self, rng: random.Random, k: int) -> None:
+        self.rng, self.k = rng, k
+
+    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+        return [self.rng.randint(0, min(self.k, c)) for c in caps]
+
+    def choose_budget(self, drafts: Drafts) -> int:
+        return int(drafts.num_drafts.sum())
+
+    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
+        return [self.rng.randint(0, n) for n in drafts.num_drafts.tolist()]
+
+
+@pytest.fixture(scope="module")
+def tiny_dspark(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A random 2-layer Qwen3 target and a random DSpark drafter reading its layers -1 and 1;
+    small weights (flat distributions), so drafts are both accepted and rejected."""
+    root = tmp_path_factory.mktemp("dspark_inv")
+    target = write_tiny_checkpoint(root / "target", "qwen3", layers=2, seed=1, std=0.1)
+    drafter = new_drafter(
+        target,
+        block_size=7,
+        num_draft_layers=2,
+        target_layer_ids=[-1, 1],
+        mask_token_id=11,
+        markov_rank=16,
+        std=0.02,
+        seed=3,
+    )
+    save_drafter(drafter, root / "drafter", dtype=torch.float32)
+    return target, root / "drafter"
+
+
+def fresh_context(engine: Engine, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per draft layer k, v [n, kv_heads, hd] from a fresh target prefill of tokens[:-1]."""
+    proposer = engine.proposer
+    assert isinstance(proposer, DSparkProposer)
+    with torch.no_grad():
+        _, hidden = engine.target.model.forward_dense(
+            torch.tensor([tokens[:-1]]), hidden_layers=proposer.hidden_layers
+        )
+        rows = proposer.model.context_rows(hidden[0])
+        return proposer.model.context_kv(rows, torch.arange(len(tokens) - 1))
+
+
+def rebuild(engine: Engine, req_id: str) -> None:
+    """Drop both caches of a running request; the next step recomputes them from its tokens."""
+    req = engine._running[req_id]
+    new = NewRequest(req_id, req.prompt_ids, req.params, req.seed)
+    for worker in (engine.target, engine.proposer):
+        worker.release(req_id)
+        worker.add_request(new)
+    req.target_length = 0
+    engine._sent_to_drafter[req_id] = 0
+    engine._pending_hidden.pop(req_id, None)
+
+
+def check_request(engine: Engine, req_id: str) -> None:
+    req = engine._running[req_id]
+    tokens = list(req.prompt_ids) + req.output_ids
+    proposer = engine.proposer
+    held = proposer.context_length(req_id)
+    pending = sum(r.shape[0] for r in engine._pending_hidden.get(req_id, []))
+    # Rows come from verified positions only: never more than the committed ones, none lost.
+    assert held + pending == len(tokens) - 1 == req.target_length
+    if held == 0:
+        return
+    k, v = proposer.cache.read(req_id)  # [layers, held, kv_heads, hd]
+    for layer, (k_ref, v_ref) in enumerate(fresh_context(engine, tokens)):
+        torch.testing.assert_close(k[layer], k_ref[:held], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(v[layer], v_ref[:held], atol=ATOL, rtol=RTOL)
+
+
+def run_checked(
+    dirs: tuple[Path, Path],
+    seed: int,
+    num_requests: int,
+    k: int,
+    temperature: float,
+    rebuild_prob: float,
+) -> tuple[int, int, int]:
+    """Serve random requests, checking every running request after every step.
+
+    Returns (accepted drafts, rejected drafts, rebuilds) so callers can see what was exercised.
+    """
+    target_dir, drafter_dir = dirs
+    rng = random.Random(seed)
+    engine = Engine(
+        target_dir,
+        proposer="dspark",
+        drafter=drafter_dir,
+        policy="fixed",
+        k=k,
+        num_blocks=96,
+        block_size=4,
+        max_num_seqs=3,
+    )
+    engine.policy = RandomPolicy(rng, k)
+    stop_ids = tuple(rng.sample(range(4096), 60))
+    for _ in range(num_requests):
+        prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 20))]
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=rng.randint(1, 30),
+            stop_token_ids=stop_ids,
+            seed=rng.randrange(1000),
+        )
+        engine.add_request(prompt, params)
+    steps = rebuilds = accepted = rejected = 0
+    while engine.has_unfinished():
+        for req_id in list(engine._running):
+            if rng.random() < rebuild_prob:
+                rebuild(engine, req_id)
+                rebuilds += 1
+        state = engine.step()
+        steps += 1
+        assert state is not None and steps < 200
+        for s in state.requests:
+            assert s.num_accepted <= s.num_planned <= s.num_drafted <= 7
+            accepted += s.num_accepted
+            rejected += int(s.num_accepted < s.num_planned)
+        for req_id in engine._running:
+            check_request(engine, req_id)
+    assert engine.proposer.cache.num_free_blocks == engine.proposer.cache.num_blocks
+    assert engine.target.cache.num_free_blocks == engine.target.cache.num_blocks
+    return accepted, rejected, rebuilds
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    num_requests=st.integers(1, 4),
+    k=st.integers(1, 7),
+    temperature=st.sampled_from([0.0, 1.0]),
+    rebuild_prob=st.sampled_from([0.0, 0.25]),
+)
+def test_context_rows_equal_fresh_prefill_after_every_step(
+    tiny_dspark,
+    seed: int,
+    num_requests: int,
+    k: int,
+    temperature: float,
+    rebuild_prob: float,
+) -> None:
+    run_checked(tiny_dspark, seed, num_requests, k, temperature, rebuild_prob)
+
+
+def test_the_property_run_sees_accepts_rejects_and_rebuilds(tiny_dspark) -> None:
+    """A fixed case of the property test: all three events really happen there."""
+    accepted, rejected, rebuilds = run_checked(tiny_dspark, 7, 4, 7, 1.0, 0.25)
+    assert accepted > 0 and rejected > 0 and rebuilds > 0
+
+
+def test_no_drafts_until_the_context_is_complete(tiny_dspark) -> None:
+    """First step: no target pass yet, so no context and no drafts; the next step drafts."""
+    target_dir, drafter_dir = tiny_dspark
+    engine = Engine(target_dir, proposer="dspark", drafter=drafter_dir, policy="fixed", k=7)
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    first = engine.step()
+    assert first is not None and first.requests[0].num_drafted == 0
+    second = engine.step()
+    assert second is not None and second.requests[0].num_drafted == 7
+    assert engine.proposer.context_length("req-0") == 3  # prompt positions 0..2; anchor at 3
