@@ -15,31 +15,13 @@ import random
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_doubles import RandomPolicy
 
 from dspark.coordinator.engine import Engine
-from dspark.coordinator.policy import Policy
 from dspark.messages import DraftQuery, Drafts, NewRequest
 from dspark.models.decoder import DecoderLM
 from dspark.models.kv_cache import PagedKVCache
 from dspark.sampling_params import SamplingParams
-
-
-class RandomPolicy(Policy):
-    """Test double: random draft lengths and a random verified prefix per request."""
-
-    name = "random"
-
-    def __init__(self, rng: random.Random, k: int) -> None:
-        self.rng, self.k = rng, k
-
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
-        return [self.rng.randint(0, min(self.k, c)) for c in caps]
-
-    def choose_budget(self, drafts: Drafts) -> int:
-        return int(drafts.num_drafts.sum())
-
-    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
-        return [self.rng.randint(0, n) for n in drafts.num_drafts.tolist()]
 
 
 class CorruptedGreedyProposer:

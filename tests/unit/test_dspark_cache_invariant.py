@@ -18,34 +18,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_doubles import RandomPolicy
 from tiny_checkpoints import write_tiny_checkpoint
 
 from dspark.coordinator.engine import Engine
-from dspark.coordinator.policy import Policy
 from dspark.draft_worker.dspark_checkpoint import new_drafter, save_drafter
 from dspark.draft_worker.dspark_proposer import DSparkProposer
-from dspark.messages import Drafts, NewRequest
+from dspark.messages import NewRequest
 from dspark.sampling_params import SamplingParams
 
 ATOL, RTOL = 2e-5, 1e-4
-
-
-class RandomPolicy(Policy):
-    """Test double: random draft lengths and a random verified prefix per request."""
-
-    name = "random"
-
-    def __init__(self, rng: random.Random, k: int) -> None:
-        self.rng, self.k = rng, k
-
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
-        return [self.rng.randint(0, min(self.k, c)) for c in caps]
-
-    def choose_budget(self, drafts: Drafts) -> int:
-        return int(drafts.num_drafts.sum())
-
-    def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
-        return [self.rng.randint(0, n) for n in drafts.num_drafts.tolist()]
 
 
 @pytest.fixture(scope="module")
