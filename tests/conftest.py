@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -27,6 +28,16 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     target = write_tiny_checkpoint(root / "target", "qwen3", layers=2, seed=1, std=0.2)
     drafter = write_tiny_checkpoint(root / "drafter", "llama", layers=1, seed=2, std=0.2)
     return target, drafter
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls gain nothing from intra-op threads, and on a busy machine two OpenMP threads
+    spin against each other (measured: ~9x slower); the setting is restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -42,3 +42,8 @@ def write_tiny_checkpoint(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, path / name)
     return path
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    return ((ours - ref).abs().max() / ref.abs().max()).item()

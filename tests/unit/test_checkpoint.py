@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_checkpoints import rel_err
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dspark.models.checkpoint import load_model, read_state_dict, save_model
@@ -21,18 +21,7 @@ RTOL = 1e-4
 VOCAB = 100
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from intra-op threads, and on a busy machine two OpenMP threads
-    # spin against each other (measured: ~9x slower); restore the setting for other modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(n: int = 17) -> torch.Tensor:  # [1, n]
@@ -103,7 +92,7 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path: Path) -> None:
     model = load_model(tmp_path)
     with torch.no_grad():
         ref = hf(_ids()).logits
-    assert _rel_err(_our_logits(model, _ids()), ref) <= RTOL
+    assert rel_err(_our_logits(model, _ids()), ref) <= RTOL
 
 
 # --- save_model -> transformers --------------------------------------------------------------
@@ -122,9 +111,9 @@ def test_save_model_fp32_loads_in_transformers(tmp_path: Path, preset: str, tie:
     assert hf.config.tie_word_embeddings == tie
     with torch.no_grad():
         ref = hf(_ids()).logits
-    assert _rel_err(_our_logits(ours, _ids()), ref) <= RTOL
+    assert rel_err(_our_logits(ours, _ids()), ref) <= RTOL
     # And back into our loader.
-    assert _rel_err(_our_logits(load_model(tmp_path), _ids()), ref) <= RTOL
+    assert rel_err(_our_logits(load_model(tmp_path), _ids()), ref) <= RTOL
 
 
 def test_save_model_bf16_default_matches_rounded_weights(tmp_path: Path) -> None:
@@ -142,8 +131,8 @@ def test_save_model_bf16_default_matches_rounded_weights(tmp_path: Path) -> None
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
         ref = hf(_ids()).logits
-    assert _rel_err(_our_logits(rounded, _ids()), ref) <= RTOL
-    assert _rel_err(_our_logits(ours, _ids()), ref) > 1e-4  # the rounding is really there
+    assert rel_err(_our_logits(rounded, _ids()), ref) <= RTOL
+    assert rel_err(_our_logits(ours, _ids()), ref) > 1e-4  # the rounding is really there
 
 
 def test_load_model_bf16_keeps_rope_frequencies_float32(tmp_path: Path) -> None:

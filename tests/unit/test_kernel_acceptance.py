@@ -9,10 +9,6 @@ tests/unit/test_acceptance.py checks by χ².
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -20,35 +16,11 @@ from dspark.kernels.acceptance import AcceptanceOutput, accept, accept_ref, acce
 from dspark.kernels.dispatch import HAS_TRITON
 from dspark.kernels.sampling import warp_probs
 
-# Triton decides at its first import whether its library functions (tl.max, tl.cumsum, ...)
-# are compiled or interpreted. Without CUDA the kernels can only run interpreted, so this module
-# asks for the interpreter process-wide. If triton was already imported compiled (in a full run,
-# transformers imports it through torch._dynamo first), `test_in_fresh_process` runs this file in
-# a new process instead.
+# tests/conftest.py asks for triton's interpreter (no CUDA) before anything imports triton.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-IN_PROCESS = HAS_TRITON and (
-    DEVICE == "cuda"
-    or "triton" not in sys.modules
-    or type(sys.modules["triton"].language.max).__name__ == "InterpretedFunction"
-)
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (Linux x86-64)")
-in_process = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="triton was imported compiled before this module: see test_in_fresh_process",
-)
 
 F64 = torch.float64
-
-
-@pytest.mark.skipif(IN_PROCESS, reason="this file's tests run in this process")
-def test_in_fresh_process() -> None:
-    """This file's tests, in a new process where triton is first imported interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def _run(*args: torch.Tensor | None, **kwargs: int) -> AcceptanceOutput:
@@ -107,7 +79,6 @@ LAYOUTS = [(1, 2048), (3, 16)]  # (num_splits, block_v): one chunk, or chunks ov
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize(("num_splits", "block_v"), LAYOUTS, ids=["1split", "3splits_16"])
-@in_process
 def test_outputs_equal_reference(name: str, num_splits: int, block_v: int) -> None:
     num_drafts, max_draft, vocab, q_kind = CASES[name]
     args = _case(list(CASES).index(name) * 10 + num_splits, num_drafts, max_draft, vocab, q_kind)
@@ -117,7 +88,6 @@ def test_outputs_equal_reference(name: str, num_splits: int, block_v: int) -> No
         assert torch.equal(out.num_accepted, torch.tensor(num_drafts))
 
 
-@in_process
 def test_a_larger_batch_equals_reference() -> None:
     """64 requests, ℓ in 0..6, vocab 300 in 64-token chunks over 4 splits."""
     g = torch.Generator().manual_seed(89)
@@ -126,13 +96,11 @@ def test_a_larger_batch_equals_reference() -> None:
     _assert_equal(_run(*args, num_splits=4, block_v=64), accept_ref(*args))
 
 
-@in_process
 def test_one_hot_q_tensor_decides_like_no_q() -> None:
     args = _case(90, [3, 2, 3, 0, 1], 3, 25, "one-hot")
     _assert_equal(_run(*args), _run(*args[:3], None, *args[4:]))
 
 
-@in_process
 def test_layout_and_batch_do_not_change_outputs() -> None:
     """Same tokens with any split count or chunk size, and for a request batched alone."""
     args = _case(91, [1, 2, 0, 2], 2, 100, "random")
@@ -175,7 +143,6 @@ EDGES = {  # name: (p, num_drafts, ids, q or None, u_accept, u_sample, expected 
 
 
 @pytest.mark.parametrize("name", list(EDGES))
-@in_process
 def test_edge_cases(name: str) -> None:
     p, num_drafts, ids, q, u_acc, u_s, expected = EDGES[name]
     args = (_t(p), _cu(num_drafts), torch.tensor(ids), None if q is None else _t(q),
@@ -186,7 +153,6 @@ def test_edge_cases(name: str) -> None:
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-@in_process
 def test_greedy_equals_reference_exactly(with_draft_probs: bool) -> None:
     """Greedy p (temperature 0): drafts accepted iff they are the argmax, y is the argmax."""
     g = torch.Generator().manual_seed(92)
@@ -207,7 +173,6 @@ def test_greedy_equals_reference_exactly(with_draft_probs: bool) -> None:
     _assert_equal(_run(*args, num_splits=2, block_v=16), accept_ref(*args))
 
 
-@in_process
 def test_dispatch_runs_the_kernel_when_forced() -> None:
     args = [a.to(DEVICE) for a in _case(93, [2, 1], 2, 30, "random")]
     with pytest.MonkeyPatch.context() as env:
@@ -216,7 +181,6 @@ def test_dispatch_runs_the_kernel_when_forced() -> None:
     assert torch.equal(forced.output_tokens.cpu(), _run(*args).output_tokens)
 
 
-@in_process
 def test_launcher_asserts_dtypes() -> None:
     p, cu, ids, q, u_acc, u_s = _case(94, [1], 1, 8, "random")
     with pytest.raises(AssertionError):

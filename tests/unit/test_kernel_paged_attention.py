@@ -10,10 +10,6 @@ GQA groups 1, 2 and 4, head dims 16, 24, 64 and 128.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -28,22 +24,9 @@ from dspark.kernels.paged_attention import (
     paged_attention_triton,
 )
 
-# Triton decides at its first import whether its library functions (tl.max, ...) are compiled
-# or interpreted. Without CUDA the kernels can only run interpreted, so this module asks for the
-# interpreter process-wide. If triton was already imported compiled (in a full run, transformers
-# imports it through torch._dynamo first), `test_in_fresh_process` runs this file anew.
+# tests/conftest.py asks for triton's interpreter (no CUDA) before anything imports triton.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-IN_PROCESS = HAS_TRITON and (
-    DEVICE == "cuda"
-    or "triton" not in sys.modules
-    or type(sys.modules["triton"].language.max).__name__ == "InterpretedFunction"
-)
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (Linux x86-64)")
-in_process = pytest.mark.skipif(
-    not IN_PROCESS, reason="triton was imported compiled first: test_in_fresh_process runs this"
-)
 
 TOLERANCES = {  # dtype: (atol, rtol) against the float64 reference
     torch.float32: (1e-5, 1e-5),
@@ -58,15 +41,6 @@ DTYPES = [
         marks=pytest.mark.skipif(DEVICE == "cpu", reason="interpreter lacks bfloat16 dot"),
     ),
 ]
-
-
-@pytest.mark.skipif(IN_PROCESS, reason="this file's tests run in this process")
-def test_in_fresh_process() -> None:
-    """This file's tests, in a new process where triton is first imported interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 def _batch(
@@ -130,7 +104,6 @@ CASES = {  # name: (q_lens, cached, heads, kv_heads, head_dim, block_size)
 }
 
 
-@in_process
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_attention_matches_float64_reference(name: str, dtype: torch.dtype) -> None:
@@ -145,7 +118,6 @@ def test_attention_matches_float64_reference(name: str, dtype: torch.dtype) -> N
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
 
 
-@in_process
 def test_attention_reads_strided_q_and_dispatches_when_forced() -> None:
     q, k_cache, v_cache, meta = _batch(7, [2, 3], [5, 9], 4, 2, 16, 4, torch.float32)
     wide = torch.cat([q, torch.randn_like(q)], dim=1)  # q is a view with head stride 16
@@ -157,7 +129,6 @@ def test_attention_reads_strided_q_and_dispatches_when_forced() -> None:
     torch.testing.assert_close(forced.double(), want, atol=1e-5, rtol=1e-5)
 
 
-@in_process
 def test_attention_launcher_asserts_dtypes() -> None:
     q, k_cache, v_cache, meta = _batch(8, [1], [3], 2, 1, 16, 4, torch.float32)
     with pytest.raises(AssertionError):
@@ -167,7 +138,6 @@ def test_attention_launcher_asserts_dtypes() -> None:
         paged_attention_triton(q, k_cache, v_cache, bad, 1.0)
 
 
-@in_process
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
 )
@@ -184,7 +154,6 @@ def test_kv_write_matches_reference(dtype: torch.dtype) -> None:
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
 
 
-@in_process
 def test_kv_write_strided_inputs_int32_slots_and_padding() -> None:
     """k, v as views of a fused projection; int32 slots; slot -1 (padding) writes nothing."""
     g = torch.Generator().manual_seed(22)
@@ -202,7 +171,6 @@ def test_kv_write_strided_inputs_int32_slots_and_padding() -> None:
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
 
 
-@in_process
 def test_kv_write_launcher_asserts_dtype() -> None:
     cache = torch.zeros(2, 4, 1, 16)
     with pytest.raises(AssertionError):

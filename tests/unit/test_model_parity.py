@@ -9,12 +9,13 @@ logits, so they cannot pass by ignoring it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tiny_checkpoints import rel_err
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dspark.models.checkpoint import load_model
@@ -38,18 +39,7 @@ _BASE: dict[str, Any] = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from intra-op threads, and on a busy machine two OpenMP threads
-    # spin against each other (measured: ~9x slower); restore the setting for other modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -101,10 +91,10 @@ def _check_prefill_parity(hf: torch.nn.Module, model: DecoderLM, lengths: Sequen
     with torch.no_grad():
         for s, ref in zip(seqs, refs, strict=True):
             dense = model.compute_logits(model.forward_dense(s[None])[0])[0]
-            assert _rel_err(dense, ref) <= RTOL
+            assert rel_err(dense, ref) <= RTOL
     paged, _ = _paged_prefill(model, seqs)
     for got, ref in zip(paged, refs, strict=True):
-        assert _rel_err(got, ref) <= RTOL
+        assert rel_err(got, ref) <= RTOL
 
 
 # --- prefill parity -------------------------------------------------------------------------
@@ -128,7 +118,7 @@ def test_dense_batch_matches_hf(tmp_path: Path) -> None:
     with torch.no_grad():
         ours = model.compute_logits(model.forward_dense(ids)[0])
         ref = hf(ids).logits
-    assert _rel_err(ours, ref) <= RTOL
+    assert rel_err(ours, ref) <= RTOL
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -174,7 +164,7 @@ def test_varlen_mixed_query_lengths_match_hf(tmp_path: Path, arch: str) -> None:
         rows = out.logits.split([e - s for s, e in plan.values()])
         for r, got in zip(req_ids, rows, strict=True):
             s, e = plan[r]
-            assert _rel_err(got, _hf_logits(hf, full[r][:e])[s:e]) <= RTOL, r
+            assert rel_err(got, _hf_logits(hf, full[r][:e])[s:e]) <= RTOL, r
 
     step({r: (0, n) for r, n in done.items()})
     step({"a": (5, 6), "b": (9, 12), "c": (13, 21), "d": (0, 7)})
@@ -202,8 +192,8 @@ def test_logits_indices_select_rows(tmp_path: Path) -> None:
         out = model.forward_paged(torch.cat(seqs), meta, cache, torch.tensor([2, 12]))
     assert out.logits.shape == (2, VOCAB)
     assert out.hidden is None
-    assert _rel_err(out.logits[0], _hf_logits(hf, seqs[0])[-1]) <= RTOL
-    assert _rel_err(out.logits[1], _hf_logits(hf, seqs[1])[-1]) <= RTOL
+    assert rel_err(out.logits[0], _hf_logits(hf, seqs[0])[-1]) <= RTOL
+    assert rel_err(out.logits[1], _hf_logits(hf, seqs[1])[-1]) <= RTOL
 
 
 # --- RoPE scaling ---------------------------------------------------------------------------
@@ -276,7 +266,7 @@ def test_rope_scaling_matches_hf(tmp_path: Path, name: str, style: str) -> None:
 
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(4))
     plain = _hf_model(arch)  # same seed and weights, default RoPE
-    changed = _rel_err(_hf_logits(hf, ids), _hf_logits(plain, ids))
+    changed = rel_err(_hf_logits(hf, ids), _hf_logits(plain, ids))
     if rope["rope_type"] == "dynamic":
         # Dynamic NTK only rescales past max_position_embeddings: inside it, it is the default.
         assert changed <= RTOL
@@ -325,15 +315,15 @@ def test_hidden_layers_are_raw_layer_outputs(tmp_path: Path, arch: str) -> None:
     _, hidden = _paged_prefill(model, [ids], hidden_layers=(-1, 0, 1))
     assert hidden is not None and hidden.shape == (len(ids), 3 * HIDDEN)
     got = hidden.split(HIDDEN, dim=-1)
-    assert _rel_err(got[0], emb) <= RTOL
-    assert _rel_err(got[1], layer0) <= RTOL
-    assert _rel_err(got[2], layer1) <= RTOL
+    assert rel_err(got[0], emb) <= RTOL
+    assert rel_err(got[1], layer0) <= RTOL
+    assert rel_err(got[2], layer1) <= RTOL
     with torch.no_grad():
-        assert _rel_err(model.model.norm(got[2]), ref[2][0]) <= RTOL
-    assert _rel_err(got[2], ref[2][0]) > 1e-2  # HF's last entry really is post-norm
+        assert rel_err(model.model.norm(got[2]), ref[2][0]) <= RTOL
+    assert rel_err(got[2], ref[2][0]) > 1e-2  # HF's last entry really is post-norm
 
     # The dense forward captures the same tensors, in the order asked for.
     with torch.no_grad():
         _, dense_hidden = model.forward_dense(ids[None], hidden_layers=(1, -1))
     assert dense_hidden is not None
-    assert _rel_err(dense_hidden[0], torch.cat([layer1, emb], dim=-1)) <= RTOL
+    assert rel_err(dense_hidden[0], torch.cat([layer1, emb], dim=-1)) <= RTOL
