@@ -62,6 +62,10 @@ class TargetWorker(Protocol):
     def rollback(self, lengths: dict[str, int]) -> None: ...
 
     def release(self, req_id: str) -> None: ...
+
+    def usage(self) -> dict[str, object]: ...
+
+
 Prompt = str | Sequence[int]
 
 
@@ -243,6 +247,20 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def accounting(self) -> dict[str, object]:
+        """Where request state lives now: the coordinator's queues and reserved blocks, and each
+        worker's own account (requests holding state, KV blocks in use). An idle engine with
+        nothing leaked has zeros and empty lists everywhere."""
+        return {
+            "waiting": len(self._waiting),
+            "running": len(self._running),
+            "unclaimed": len(self._finished),  # finished, result not yet popped
+            "reserved_blocks": self._reserved_blocks,
+            "coordinator_requests": sorted(set(self._sent_to_drafter) | set(self._pending_hidden)),
+            "target": self.target.usage(),
+            "draft": self.proposer.usage(),
+        }
 
     def pop_finished(self, req_id: str) -> Request:
         return self._finished.pop(req_id)

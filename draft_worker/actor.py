@@ -133,6 +133,9 @@ class DraftActor:
         """Calls of `step` and seconds spent inside them (the proposer's work)."""
         return dict(self._busy)
 
+    def usage(self) -> dict[str, object]:
+        return self.proposer.usage()
+
     def requests(self) -> dict[str, Any]:
         """The requests whose draft state lives here (sorted) and how many were ever added."""
         return {"held": sorted(self._requests), "served": self._served}
@@ -245,6 +248,15 @@ class DraftPool:
         import ray
 
         return ray.get([a.busy.remote() for a in self.actors])
+
+    def usage(self) -> dict[str, object]:
+        """Requests holding state on any draft actor and the KV blocks they use in all."""
+        import ray
+
+        self.flush()
+        parts = ray.get([a.usage.remote() for a in self.actors])
+        held = sorted({r for p in parts for r in p["requests"]})
+        return {"requests": held, "used_blocks": sum(p["used_blocks"] for p in parts)}
 
     def actor_requests(self) -> list[dict[str, Any]]:
         """Each actor's own account: requests held now (`held`) and ever added (`served`)."""

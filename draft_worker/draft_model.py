@@ -139,3 +139,8 @@ class DraftModelProposer:
     def release(self, req_id: str) -> None:
         self.cache.release(req_id)
         self._states.pop(req_id, None)
+
+    def usage(self) -> dict[str, object]:
+        """Requests holding state here and KV blocks in use (leak checks read this)."""
+        held = set(self._states) | set(self.cache.request_ids())
+        return {"requests": sorted(held), "used_blocks": self.cache.num_used_blocks}

@@ -58,3 +58,7 @@ class NgramProposer:
 
     def release(self, req_id: str) -> None:
         self._tokens.pop(req_id, None)
+
+    def usage(self) -> dict[str, object]:
+        """Requests holding state here (no cache: `used_blocks` is 0)."""
+        return {"requests": sorted(self._tokens), "used_blocks": 0}

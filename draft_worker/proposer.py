@@ -29,6 +29,8 @@ class Proposer(Protocol):
 
     def release(self, req_id: str) -> None: ...
 
+    def usage(self) -> dict[str, object]: ...
+
 
 class NoProposer:
     """Proposes nothing: every step is a plain target decode."""
@@ -46,3 +48,6 @@ class NoProposer:
 
     def release(self, req_id: str) -> None:
         pass
+
+    def usage(self) -> dict[str, object]:
+        return {"requests": [], "used_blocks": 0}

@@ -164,6 +164,9 @@ class TargetActor:
         """Calls of `step` and seconds spent inside them (model, acceptance, collectives)."""
         return dict(self._busy)
 
+    def usage(self) -> dict[str, object]:
+        return self.runner.usage()
+
     def decision_digest(self) -> tuple[int, str]:
         """(decisions taken, their sha256) on this rank; tp = 1 has nothing to compare."""
         digest = getattr(self.runner, "decision_digest", None)
@@ -232,6 +235,15 @@ class TargetGroup:
 
         self.flush()
         return ray.get([a.prefill_logits.remote(prompts) for a in self.actors])[0]
+
+    def usage(self) -> dict[str, object]:
+        """Requests holding state on any rank and the most KV blocks any rank uses."""
+        import ray
+
+        self.flush()
+        parts = ray.get([a.usage.remote() for a in self.actors])
+        held = sorted({r for p in parts for r in p["requests"]})
+        return {"requests": held, "used_blocks": max(p["used_blocks"] for p in parts)}
 
     def busy(self) -> list[dict[str, float]]:
         """Each rank's time inside its calls (the rest of `timing` is transport and waiting)."""

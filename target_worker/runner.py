@@ -125,3 +125,8 @@ class TargetRunner:
         self.cache.release(req_id)
         self._params.pop(req_id, None)
         self._generators.pop(req_id, None)
+
+    def usage(self) -> dict[str, object]:
+        """Requests holding state here and KV blocks in use (leak checks read this)."""
+        held = set(self._params) | set(self._generators) | set(self.cache.request_ids())
+        return {"requests": sorted(held), "used_blocks": self.cache.num_used_blocks}

@@ -56,6 +56,10 @@ class PagedKVCache:
     def request_ids(self) -> list[str]:
         return list(self._tables)
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
     # --- verbs --------------------------------------------------------------------------
     def reserve(self, req_id: str, new_length: int) -> None:
         """Make room for positions up to `new_length`; the length becomes max(length, new_length)."""
