@@ -31,6 +31,7 @@ from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import Policy
 from dspark.coordinator.profiler import load_or_profile
 from dspark.coordinator.scheduler import POLICY_NAMES, make_policy, survivals_of
+from dspark.coordinator.trace import TraceRecorder
 from dspark.coordinator.request import GenerationResult, Request
 from dspark.demo import demo_path
 from dspark.draft_worker.draft_model import DraftModelProposer
@@ -129,6 +130,7 @@ class Engine:
         cost_model: CostModel | str | Path | None = None,
         profile_dir: str | Path = Path.home() / ".cache" / "dspark" / "cost",
         workers: tuple[TargetWorker, Proposer] | None = None,
+        trace: TraceRecorder | None = None,
     ) -> None:
         target_dir = Path(target) if target is not None else demo_path("target")
         proposer = proposer or "draft-model"
@@ -166,6 +168,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.stats = EngineStats()
+        self.trace = trace  # optional step recorder (coordinator/trace.py)
         self._waiting: list[Request] = []
         self._running: dict[str, Request] = {}
         self._finished: dict[str, Request] = {}
@@ -342,6 +345,8 @@ class Engine:
         st.accepted_tokens += accepted
         st.predicted_accepted += predicted
         st.recent.append(StepRecord(state.step, state.budget, tuple(planned), predicted, accepted))
+        if self.trace is not None:
+            self.trace.record(state, drafts, planned, start)
 
     def _plan(self, reqs: list[Request], drafts: Drafts, planned: list[int], budget: int) -> VerifyPlan:
         assert sum(planned) <= budget or budget == 0 and not any(planned)

@@ -1,0 +1,225 @@
+"""Step traces: what every step planned, what the target accepted and how long it took.
+
+A trace is the engine's own record of a run, the input of the fleet simulator
+(`dspark.coordinator.sim`): acceptance replay, request lengths and measured step times.
+
+File format (JSON lines, UTF-8): the first line is a header object, every further line one step.
+
+    {"format": "dspark-trace", "version": 1, "meta": {...}}
+    {"step": 7, "t": 0.1532, "dt": 0.0121, "K": 12,
+     "ids": ["req-0", "req-1"],   # requests in the batch, in batch order
+     "in": [1, 31],               # verify input tokens: uncached committed (anchor or prompt) + ℓ
+     "new": [0, 1],               # 1 on the request's first step (its prompt is the prefill)
+     "d": [4, 4],                 # γ_r drafted
+     "l": [3, 4],                 # ℓ_r planned for verification
+     "a": [1, 4],                 # A_r accepted
+     "c": [2, 5],                 # tokens committed (A_r + 1, fewer after an EOS/length cut)
+     "f": [0, 1],                 # 1 when the request finished in this step
+     "conf": [[0.91, 0.8], ...]}  # conditional confidences the policy saw (null: none)
+
+`t` is the step's start in seconds since the first recorded step, `dt` its wall-clock duration
+(drafting, scheduling, verify, commit), `K` the budget. Confidences are rounded to 4 digits.
+
+Example:
+    >>> import io, json
+    >>> rec = TraceRecorder(meta={"proposer": "ngram"})
+    >>> rec.steps.append(StepTrace(1, 0.0, 0.01, 2, ("r",), (3,), (1,), (2,), (2,), (1,), (2,), (0,), None))
+    >>> buf = io.StringIO(); rec.write(buf); _ = buf.seek(0)
+    >>> read_trace(buf).steps[0].accepted
+    (1,)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from dspark.messages import Drafts, StepState
+
+FORMAT = "dspark-trace"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One step of one engine. Per-request tuples are in batch order (`req_ids`)."""
+
+    step: int
+    t: float  # start, seconds since the trace's first step
+    seconds: float  # wall-clock duration of the whole step
+    budget: int  # K
+    req_ids: tuple[str, ...]
+    num_input: tuple[int, ...]  # [num_reqs] verify input tokens (uncached committed + ℓ)
+    new: tuple[int, ...]  # [num_reqs] 1 on a request's first step
+    drafted: tuple[int, ...]  # [num_reqs] γ_r
+    planned: tuple[int, ...]  # [num_reqs] ℓ_r
+    accepted: tuple[int, ...]  # [num_reqs] A_r
+    committed: tuple[int, ...]  # [num_reqs] tokens appended
+    finished: tuple[int, ...]  # [num_reqs] 1 when the request finished here
+    confidences: tuple[tuple[float, ...], ...] | None  # [num_reqs, max_draft] conditional c
+
+    @property
+    def num_tokens(self) -> int:
+        """B, the verify pass's size."""
+        return sum(self.num_input)
+
+    def as_json(self) -> dict[str, object]:
+        return {"step": self.step, "t": round(self.t, 6), "dt": round(self.seconds, 6),
+                "K": self.budget, "ids": list(self.req_ids), "in": list(self.num_input),
+                "new": list(self.new), "d": list(self.drafted), "l": list(self.planned),
+                "a": list(self.accepted), "c": list(self.committed), "f": list(self.finished),
+                "conf": None if self.confidences is None else [list(r) for r in self.confidences]}
+
+    @staticmethod
+    def from_json(raw: dict) -> StepTrace:
+        conf = raw.get("conf")
+        return StepTrace(
+            step=int(raw["step"]), t=float(raw["t"]), seconds=float(raw["dt"]),
+            budget=int(raw["K"]), req_ids=tuple(raw["ids"]), num_input=tuple(raw["in"]),
+            accepted=tuple(raw["a"]), drafted=tuple(raw["d"]), planned=tuple(raw["l"]),
+            new=tuple(raw["new"]), committed=tuple(raw["c"]), finished=tuple(raw["f"]),
+            confidences=None if conf is None else tuple(tuple(r) for r in conf),
+        )
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One request's life in a trace: its prompt, and per step (ℓ, A, committed, confidences)."""
+
+    req_id: str
+    prompt_len: int
+    planned: tuple[int, ...]
+    accepted: tuple[int, ...]
+    committed: tuple[int, ...]
+    confidences: tuple[tuple[float, ...] | None, ...]
+
+    @property
+    def output_len(self) -> int:
+        return sum(self.committed)
+
+
+@dataclass(frozen=True)
+class Trace:
+    meta: dict[str, object]
+    steps: tuple[StepTrace, ...]
+
+    def requests(self) -> list[RequestTrace]:
+        """Per-request views, in order of first appearance."""
+        acc: dict[str, dict[str, list]] = {}
+        prompts: dict[str, int] = {}
+        for s in self.steps:
+            for i, r in enumerate(s.req_ids):
+                if r not in acc:
+                    acc[r] = {"l": [], "a": [], "c": [], "conf": []}
+                    prompts[r] = s.num_input[i] - s.planned[i] if s.new[i] else 1
+                row = acc[r]
+                row["l"].append(s.planned[i])
+                row["a"].append(s.accepted[i])
+                row["c"].append(s.committed[i])
+                row["conf"].append(None if s.confidences is None else s.confidences[i])
+        return [RequestTrace(r, prompts[r], tuple(v["l"]), tuple(v["a"]), tuple(v["c"]),
+                             tuple(v["conf"])) for r, v in acc.items()]
+
+    def tokens_per_second(self) -> float:
+        """Committed tokens over the summed step time (the engine's busy time)."""
+        busy = sum(s.seconds for s in self.steps)
+        return sum(sum(s.committed) for s in self.steps) / busy if busy else 0.0
+
+
+@dataclass
+class TraceRecorder:
+    """Collects `StepTrace`s from an engine (`Engine(trace=TraceRecorder())`).
+
+    With `path`, every step is also appended to that file as it happens (header first), so a
+    crashed run still leaves its steps behind.
+    """
+
+    path: str | Path | None = None
+    meta: dict[str, object] = field(default_factory=dict)
+    steps: list[StepTrace] = field(default_factory=list)
+    _seen: set[str] = field(default_factory=set, repr=False)
+    _t0: float | None = field(default=None, repr=False)
+    _file: IO[str] | None = field(default=None, repr=False)
+
+    def record(self, state: StepState, drafts: Drafts, planned: list[int], start: float) -> None:
+        """Called by the engine once per step, after commit; `start` is the step's perf_counter."""
+        end = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = start
+        conf = None
+        if drafts.confidences is not None:
+            conf = tuple(tuple(round(float(x), 4) for x in row)
+                         for row in drafts.confidences.tolist())
+        num_input, new = [], []
+        for s, ell in zip(state.requests, planned):
+            before = s.target_length + 1 - len(s.committed)  # committed tokens before the step
+            is_new = s.req_id not in self._seen
+            self._seen.add(s.req_id)
+            new.append(int(is_new))
+            num_input.append((before if is_new else 1) + ell)
+        step = StepTrace(
+            step=state.step, t=start - self._t0, seconds=end - start, budget=state.budget,
+            req_ids=tuple(s.req_id for s in state.requests), num_input=tuple(num_input),
+            accepted=tuple(s.num_accepted for s in state.requests),
+            drafted=tuple(s.num_drafted for s in state.requests), planned=tuple(planned),
+            new=tuple(new), committed=tuple(len(s.committed) for s in state.requests),
+            finished=tuple(int(s.finish_reason is not None) for s in state.requests),
+            confidences=conf,
+        )
+        self.steps.append(step)
+        if self.path is not None:
+            if self._file is None:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+                self._file.write(json.dumps(_header(self.meta)) + "\n")
+            self._file.write(json.dumps(step.as_json()) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def trace(self) -> Trace:
+        return Trace(dict(self.meta), tuple(self.steps))
+
+    def write(self, out: IO[str]) -> None:
+        """Write the whole trace (header and steps) to an open text stream."""
+        out.write(json.dumps(_header(self.meta)) + "\n")
+        for s in self.steps:
+            out.write(json.dumps(s.as_json()) + "\n")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            self.write(f)
+        return path
+
+
+def _header(meta: dict[str, object]) -> dict[str, object]:
+    return {"format": FORMAT, "version": VERSION, "meta": meta}
+
+
+def read_trace(source: str | Path | IO[str]) -> Trace:
+    """Load a trace file (or open stream); raises ValueError on a file of another format."""
+    if isinstance(source, (str, Path)):
+        with open(source, encoding="utf-8") as f:
+            return _parse(f)
+    return _parse(source)
+
+
+def _parse(lines: Iterable[str]) -> Trace:
+    it = iter(lines)
+    try:
+        header = json.loads(next(it))
+    except StopIteration:
+        raise ValueError("trace is empty: expected a header line") from None
+    if header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise ValueError(f"not a {FORMAT} v{VERSION} file: header {str(header)[:80]}")
+    steps = tuple(StepTrace.from_json(json.loads(line)) for line in it if line.strip())
+    return Trace(dict(header.get("meta", {})), steps)

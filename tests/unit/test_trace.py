@@ -1,0 +1,75 @@
+"""Step traces: recorded from a real engine run, written, read back unchanged."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from dspark.coordinator.engine import Engine
+from dspark.coordinator.trace import TraceRecorder, read_trace
+from dspark.sampling_params import SamplingParams
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "import os\nimport sys\nimport "]
+
+
+@pytest.fixture(scope="module")
+def recorded() -> tuple[TraceRecorder, list]:
+    rec = TraceRecorder(meta={"proposer": "ngram", "policy": "fixed", "k": 3})
+    engine = Engine(proposer="ngram", policy="fixed", k=3, trace=rec)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return rec, outs
+
+
+def test_trace_matches_what_the_engine_committed(recorded) -> None:
+    rec, outs = recorded
+    trace = rec.trace()
+    assert len(trace.steps) == engine_steps(outs)
+    by_id = {r.req_id: r for r in trace.requests()}
+    for out in outs:
+        req = by_id[out.req_id]
+        assert req.output_len == len(out.token_ids)
+        assert req.prompt_len == len(out.prompt_ids)
+        assert len(req.planned) == out.stats["target_passes"]
+        assert all(a <= ell <= 3 for a, ell in zip(req.accepted, req.planned))
+    for s in trace.steps:
+        # B = Σ (uncached committed + ℓ): a prompt on the first step, the anchor afterwards.
+        assert s.num_tokens == sum(s.num_input) >= len(s.req_ids) + sum(s.planned)
+        assert s.seconds > 0 and s.budget >= sum(s.planned)
+        assert s.confidences is not None and len(s.confidences) == len(s.req_ids)
+
+
+def test_trace_round_trip_through_a_file(recorded, tmp_path) -> None:
+    rec, _ = recorded
+    path = rec.save(tmp_path / "run.trace.jsonl")
+    back = read_trace(path)
+    assert back.meta == rec.meta
+    assert len(back.steps) == len(rec.steps)
+    for a, b in zip(back.steps, rec.steps):
+        assert (a.req_ids, a.num_input, a.new, a.planned, a.accepted, a.committed, a.finished) == (
+            b.req_ids, b.num_input, b.new, b.planned, b.accepted, b.committed, b.finished)
+        assert a.seconds == pytest.approx(b.seconds, abs=1e-6)
+        assert a.confidences == b.confidences
+
+
+def engine_steps(outs: list) -> int:
+    # Both requests run together from the first step: the longer one sets the step count.
+    return max(int(o.stats["target_passes"]) for o in outs)
+
+
+def test_streaming_recorder_leaves_a_readable_file(tmp_path) -> None:
+    path = tmp_path / "live.jsonl"
+    rec = TraceRecorder(path=path, meta={"run": "live"})
+    Engine(proposer="ngram", policy="fixed", k=2, trace=rec).generate(
+        PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    rec.close()
+    back = read_trace(path)
+    assert back.meta == {"run": "live"} and len(back.steps) == len(rec.steps) > 0
+    assert sum(sum(s.committed) for s in back.steps) == 5
+
+
+def test_reader_rejects_other_files() -> None:
+    with pytest.raises(ValueError, match="dspark-trace"):
+        read_trace(io.StringIO('{"format": "something-else"}\n'))
+    with pytest.raises(ValueError, match="empty"):
+        read_trace(io.StringIO(""))
