@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 from dspark.coordinator.detokenize import IncrementalDetokenizer
 from dspark.coordinator.metrics import ServeMetrics
+from dspark.errors import DSparkError
 from dspark.messages import StepState
 from dspark.protocol import Chunk
 from dspark.sampling_params import SamplingParams
@@ -34,9 +35,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Rejected:
-    """The engine refused the request as given (its ValueError's message); nothing was queued."""
+    """The engine refused the request as given (its ValueError's message); nothing was queued.
+
+    `code`: the gRPC status name, INVALID_ARGUMENT unless the error carries its own (a
+    `dspark.errors.OutOfRange` raised by the engine says OUT_OF_RANGE)."""
 
     message: str
+    code: str = "INVALID_ARGUMENT"
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,9 @@ class EngineLoop:
             return
         try:
             req_id = self.engine.add_request(handle.prompt, handle.params)
+        except DSparkError as e:
+            _send(handle, Rejected(e.details, e.code))
+            return
         except ValueError as e:
             _send(handle, Rejected(str(e)))
             return

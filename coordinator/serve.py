@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from dspark.config import ServeConfig
+from dspark.coordinator.auth import security_from_config
 from dspark.coordinator.engine import Engine
+from dspark.coordinator.limits import Limits
 from dspark.coordinator.metrics import ServeMetrics
 from dspark.coordinator.server import Server, model_info
 
@@ -112,8 +114,18 @@ def build_engine(cfg: ServeConfig) -> tuple[Engine, str, Any, bool]:
     return engine, "ray", workers, start_ray
 
 
+def limits_from_config(cfg: ServeConfig) -> Limits:
+    return Limits(
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_tokens=cfg.max_tokens_limit,
+        max_in_flight=cfg.max_in_flight,
+        max_message_bytes=cfg.max_message_bytes,
+    )
+
+
 def start_service(cfg: ServeConfig, engine: Engine | None = None) -> Service:
     """Build (or take) the engine, start the gRPC server and the metrics endpoint."""
+    security = security_from_config(cfg)  # bad token or TLS files fail before any model loads
     mode, workers, stop_ray = "in-process", None, False
     if engine is None:
         engine, mode, workers, stop_ray = build_engine(cfg)
@@ -126,8 +138,23 @@ def start_service(cfg: ServeConfig, engine: Engine | None = None) -> Service:
         num_draft_actors=cfg.num_draft_actors if mode == "ray" else 0,
     )
     server = Server(
-        engine, host=cfg.host, port=cfg.port, info=info, metrics=metrics, grace=cfg.grace
+        engine,
+        host=cfg.host,
+        port=cfg.port,
+        info=info,
+        metrics=metrics,
+        grace=cfg.grace,
+        limits=limits_from_config(cfg),
+        security=security,
     )
+    logger.info("security: %s", security.summary)
+    if not _loopback(cfg.host) and (not security.interceptors or security.credentials is None):
+        logger.warning(
+            "serving on %s with %s: anyone who reaches this address can use it (docs/deploy.md,"
+            " Security)",
+            cfg.host,
+            security.summary,
+        )
     try:
         server.start()
         metrics_port = (
@@ -139,3 +166,7 @@ def start_service(cfg: ServeConfig, engine: Engine | None = None) -> Service:
             ray_workers_module().shutdown(workers, stop_ray=stop_ray)  # type: ignore[union-attr]
         raise
     return Service(cfg, engine, server, metrics, metrics_port, mode, workers, stop_ray)
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

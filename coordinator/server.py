@@ -7,10 +7,25 @@ back. The engine may be in-process or drive Ray worker pools; the server cannot 
 - Cancellation and deadlines: when the RPC ends for any reason before the request finished
   (the client cancelled, its deadline passed, the server stopped), the done callback cancels the
   request in the loop, which aborts it and frees its caches.
-- Errors: the engine's or SamplingParams' ValueError becomes INVALID_ARGUMENT with its message;
-  an engine failure INTERNAL (and health NOT_SERVING); requests after that UNAVAILABLE.
-- Shutdown: health goes NOT_SERVING, in-flight calls get `grace` seconds to finish, then the
-  rest are cancelled and the loop stops.
+- Errors (each message names the field and the value):
+
+  | input | status |
+  | --- | --- |
+  | bytes that are no GenerateRequest, bad UTF-8 in a string | INVALID_ARGUMENT |
+  | no prompt, empty prompt, token ids outside the vocabulary | INVALID_ARGUMENT |
+  | SamplingParams out of their domain (top_p 2, temperature -1, ...) | INVALID_ARGUMENT |
+  | prompt over max_prompt_tokens or the context, max_tokens over the ceiling | OUT_OF_RANGE |
+  | a message over max_message_bytes (gRPC's own check) | RESOURCE_EXHAUSTED |
+  | max_in_flight requests already admitted (answered at once) | RESOURCE_EXHAUSTED |
+  | the server is draining (stop() or SIGTERM) | UNAVAILABLE |
+  | an engine failure (and health NOT_SERVING); requests after it | INTERNAL; UNAVAILABLE |
+
+  Requests are decoded by `lenient_parser`, so undecodable bytes reach the servicer as a
+  `MalformedMessage` (a raising deserializer would make gRPC answer INTERNAL). Text prompts are
+  bounded in bytes, then tokenised on a worker thread, never on the engine-loop thread.
+- Shutdown (drain): health goes NOT_SERVING and new Generate calls are refused with
+  UNAVAILABLE; in-flight calls get `grace` seconds to finish, then the rest are cancelled and
+  the loop stops.
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ import asyncio
 import importlib.metadata
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,11 +43,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from dspark.coordinator.auth import ServerSecurity
 from dspark.coordinator.engine_loop import EngineLike, EngineLoop, Event, Failed, Rejected
+from dspark.coordinator.limits import Limits, RequestChecker
 from dspark.coordinator.metrics import ServeMetrics
-from dspark.protocol import chunk_to_proto, request_from_proto
+from dspark.errors import DSparkError
+from dspark.protocol import MalformedMessage, chunk_to_proto, lenient_parser, request_from_proto
 from dspark.protos import dspark_pb2 as pb
 from dspark.protos import dspark_pb2_grpc as pb_grpc
+from dspark.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +59,104 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DSpark"].full_name  # "dspark.v1.
 
 
 class DSparkServicer(pb_grpc.DSparkServicer):
-    def __init__(self, loop: EngineLoop, info: pb.ModelInfo) -> None:
+    """`dspark.v1.DSpark` over one EngineLoop: checks, admission, streaming, drain.
+
+    Runs on the server's asyncio loop only, so its counters need no lock.
+    """
+
+    def __init__(
+        self, loop: EngineLoop, info: pb.ModelInfo, checker: RequestChecker, max_in_flight: int
+    ) -> None:
         self._loop = loop
         self._info = info
+        self._checker = checker
+        self._max_in_flight = max_in_flight
+        self._in_flight = 0
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Generate calls admitted and not yet ended."""
+        return self._in_flight
+
+    def drain(self) -> None:
+        """From now on refuse new Generate calls with UNAVAILABLE; in-flight ones go on."""
+        self._draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Generate call is in flight (or `timeout` passed); True if none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError before 3.11
+            return False
+        return True
 
     async def Generate(  # noqa: N802 - the RPC's name
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | MalformedMessage, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateChunk]:
+        if self._draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server is draining (shutting down): retry elsewhere"
+            )
         try:
-            prompt, params = request_from_proto(request)
+            prompt, params = self._decode(request)
+        except DSparkError as e:
+            await context.abort(grpc.StatusCode[e.code], e.details)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self._in_flight >= self._max_in_flight:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._in_flight} requests in flight, the most this server admits "
+                f"(max_in_flight {self._max_in_flight}): retry later",
+            )
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            ids = await self._tokenize(prompt, context)
+            async for chunk in self._stream(ids, params, context):
+                yield chunk
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _decode(self, request: pb.GenerateRequest | MalformedMessage) -> tuple[Any, SamplingParams]:
+        """(prompt, params) of a well-formed request within limits; raises DSparkError or
+        ValueError (SamplingParams' own check) otherwise."""
+        if isinstance(request, MalformedMessage):
+            raise ValueError(request.message)
+        prompt, params = request_from_proto(request)
+        self._checker.check_params(params)
+        if isinstance(prompt, str):
+            self._checker.check_text(prompt)
+        else:
+            self._checker.check_prompt(prompt, "token_ids.ids")
+        return prompt, params
+
+    async def _tokenize(
+        self, prompt: str | tuple[int, ...], context: grpc.aio.ServicerContext
+    ) -> tuple[int, ...]:
+        """Token ids of the prompt, checked; text is tokenised off the engine-loop thread."""
+        if not isinstance(prompt, str):
+            return prompt
+        tokenizer = self._loop.engine.tokenizer
+        ids = tuple(await asyncio.to_thread(tokenizer.encode, prompt))
+        try:
+            self._checker.check_prompt(ids, "text")
+        except DSparkError as e:
+            await context.abort(grpc.StatusCode[e.code], e.details)
+        return ids
+
+    async def _stream(
+        self, ids: tuple[int, ...], params: SamplingParams, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateChunk]:
         events: asyncio.Queue[Event] = asyncio.Queue()
         aio_loop = asyncio.get_running_loop()
         handle = self._loop.submit(
-            prompt, params, lambda ev: aio_loop.call_soon_threadsafe(events.put_nowait, ev)
+            ids, params, lambda ev: aio_loop.call_soon_threadsafe(events.put_nowait, ev)
         )
         finished = False
 
@@ -66,7 +169,7 @@ class DSparkServicer(pb_grpc.DSparkServicer):
             event = await events.get()
             if isinstance(event, Rejected):
                 finished = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, event.message)
+                await context.abort(grpc.StatusCode[event.code], event.message)
             if isinstance(event, Failed):
                 finished = True
                 await context.abort(grpc.StatusCode[event.code], event.message)
@@ -74,9 +177,31 @@ class DSparkServicer(pb_grpc.DSparkServicer):
             yield chunk_to_proto(event)  # type: ignore[arg-type]
 
     async def GetModelInfo(  # noqa: N802 - the RPC's name
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetModelInfoRequest | MalformedMessage, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
+        if isinstance(request, MalformedMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return self._info
+
+
+def add_dspark_service(servicer: DSparkServicer, server: grpc.aio.Server) -> None:
+    """Register `dspark.v1.DSpark` as the generated `add_DSparkServicer_to_server` does, but
+    with lenient request deserializers (undecodable bytes reach the servicer, which answers
+    INVALID_ARGUMENT naming the bad field, instead of gRPC's INTERNAL)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=lenient_parser(pb.GenerateRequest),
+            response_serializer=pb.GenerateChunk.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=lenient_parser(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def model_info(engine: Any, **extra: object) -> pb.ModelInfo:
@@ -106,6 +231,10 @@ def _version() -> str:
 class Server:
     """A gRPC server on its own thread and asyncio loop, with the engine on the loop thread.
 
+    `limits` bound what a request may ask (defaults: the model's context, 256 in flight,
+    4 MiB messages); `security` adds authentication interceptors and TLS credentials
+    (`dspark.coordinator.auth.security_from_config`).
+
     Example:
         >>> from dspark.coordinator.engine import Engine
         >>> server = Server(Engine(proposer="ngram")).start()  # 127.0.0.1, a free port
@@ -123,13 +252,24 @@ class Server:
         info: pb.ModelInfo | None = None,
         metrics: ServeMetrics | None = None,
         grace: float = 5.0,
+        limits: Limits | None = None,
+        security: ServerSecurity | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.grace = grace
         self.metrics = metrics
         self.loop = EngineLoop(engine, metrics)
-        self._info = info if info is not None else model_info(engine)
+        self.limits = limits if limits is not None else Limits()
+        self.security = security if security is not None else ServerSecurity()
+        self.checker = RequestChecker.for_engine(self.limits, engine)
+        self._info = pb.ModelInfo()
+        self._info.CopyFrom(info if info is not None else model_info(engine))
+        self._info.max_prompt_tokens = self.checker.max_prompt_tokens
+        self._info.max_tokens_limit = self.checker.max_tokens
+        self._info.max_in_flight = self.limits.max_in_flight
+        self._info.max_message_bytes = self.limits.max_message_bytes
+        self.servicer: DSparkServicer | None = None
         self._thread = threading.Thread(target=self._serve_thread, name="dspark-grpc", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -154,7 +294,8 @@ class Server:
         return self
 
     def stop(self, grace: float | None = None) -> None:
-        """Finish in-flight calls within `grace` seconds, cancel the rest, stop the loop."""
+        """Drain: refuse new calls (UNAVAILABLE, health NOT_SERVING), let in-flight calls
+        finish within `grace` seconds, cancel the rest, stop the loop."""
         if (
             self._aio_loop is not None
             and self._stop_requested is not None
@@ -188,8 +329,14 @@ class Server:
     async def _serve(self) -> None:
         self._aio_loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        server = grpc.aio.server()
-        pb_grpc.add_DSparkServicer_to_server(DSparkServicer(self.loop, self._info), server)
+        server = grpc.aio.server(
+            interceptors=self.security.interceptors,
+            options=[("grpc.max_receive_message_length", self.limits.max_message_bytes)],
+        )
+        self.servicer = DSparkServicer(
+            self.loop, self._info, self.checker, self.limits.max_in_flight
+        )
+        add_dspark_service(self.servicer, server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -200,7 +347,10 @@ class Server:
             ),
             server,
         )
-        self.port = server.add_insecure_port(f"{self.address}")
+        if self.security.credentials is not None:
+            self.port = server.add_secure_port(self.address, self.security.credentials)
+        else:
+            self.port = server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"could not bind {self.host}:{self.port}")
         await server.start()
@@ -209,8 +359,21 @@ class Server:
         self.loop.on_failure(self._set_not_serving)
         self._ready.set()
         await self._stop_requested.wait()
+        await self._drain(server)
+
+    async def _drain(self, server: grpc.aio.Server) -> None:
+        assert self._health is not None and self.servicer is not None
+        start = time.monotonic()
+        self.servicer.drain()
         await self._health.enter_graceful_shutdown()
-        await server.stop(self.grace)
+        logger.info(
+            "draining: %d calls in flight, %.1f s grace", self.servicer.in_flight, self.grace
+        )
+        if not await self.servicer.wait_idle(self.grace):
+            logger.warning(
+                "grace passed with %d calls in flight: cancelling them", self.servicer.in_flight
+            )
+        await server.stop(max(0.0, self.grace - (time.monotonic() - start)))
 
     def _set_not_serving(self, message: str) -> None:
         # Called on the engine-loop thread: hop to the server's loop.

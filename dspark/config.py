@@ -56,6 +56,37 @@ class ServeConfig:
     num_blocks: int = _doc(4096, "KV-cache blocks per worker")
     block_size: int = _doc(16, "tokens per KV-cache block")
     grace: float = _doc(5.0, "seconds in-flight calls get to finish at shutdown")
+    # --- limits (issue 7): beyond them a request is refused with a precise status -------------
+    max_prompt_tokens: int | None = _doc(
+        None, "most prompt tokens a request may send (default: the model's context - 1)"
+    )
+    max_tokens_limit: int | None = _doc(
+        None, "ceiling on SamplingParams.max_tokens (default: the model's context)"
+    )
+    max_in_flight: int = _doc(
+        256, "requests admitted at once (running + queued); more get RESOURCE_EXHAUSTED at once"
+    )
+    max_message_bytes: int = _doc(
+        4 * 1024 * 1024, "largest request message the server receives (bytes)"
+    )
+    # --- security (docs/deploy.md, Security) --------------------------------------------------
+    auth_token_file: str | None = _doc(
+        None, "file holding the bearer token(s) clients must send, one a line (enables auth)"
+    )
+    auth_token_env: str = _doc(
+        "DSPARK_AUTH_TOKEN",
+        "environment variable holding the bearer token when no file is given (enables auth "
+        "when set and non-empty; '' never reads one)",
+    )
+    auth_exempt: str = _doc(
+        "grpc.health.v1.Health,grpc.reflection.v1alpha.ServerReflection",
+        "comma-separated services or /service/method paths callable without a token",
+    )
+    tls_cert_file: str | None = _doc(None, "PEM certificate chain of the server (enables TLS)")
+    tls_key_file: str | None = _doc(None, "PEM private key of tls_cert_file")
+    tls_client_ca_file: str | None = _doc(
+        None, "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"
+    )
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("port", 0, 65535), ("metrics_port", -1, 65535)):
@@ -66,9 +97,26 @@ class ServeConfig:
                 value,
                 f"must be in [{lo}, {hi}]",
             )
-        for name in ("tp", "num_draft_actors", "max_num_seqs", "num_blocks", "block_size"):
+        for name in (
+            "tp",
+            "num_draft_actors",
+            "max_num_seqs",
+            "num_blocks",
+            "block_size",
+            "max_in_flight",
+            "max_message_bytes",
+        ):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, value, "must be an integer >= 1")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and value >= 1),
+                name,
+                value,
+                "must be None (the model's context) or an integer >= 1",
+            )
+        self._check_security()
         _check(
             self.k is None or (isinstance(self.k, int) and self.k >= 1),
             "k",
@@ -102,6 +150,36 @@ class ServeConfig:
                 self.address,
                 "is a Ray cluster: drop in_process (--in-process)",
             )
+
+    def _check_security(self) -> None:
+        _check(
+            (self.tls_cert_file is None) == (self.tls_key_file is None),
+            "tls_key_file" if self.tls_key_file is None else "tls_cert_file",
+            self.tls_key_file if self.tls_key_file is None else self.tls_cert_file,
+            "TLS needs both tls_cert_file and tls_key_file",
+        )
+        _check(
+            self.tls_client_ca_file is None or self.tls_cert_file is not None,
+            "tls_client_ca_file",
+            self.tls_client_ca_file,
+            "mutual TLS needs the server's own tls_cert_file and tls_key_file",
+        )
+        for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            value = getattr(self, name)
+            _check(value is None or bool(value), name, value, "must be None or a path")
+        _check(
+            isinstance(self.auth_token_env, str),
+            "auth_token_env",
+            self.auth_token_env,
+            "must be a variable name ('' reads none)",
+        )
+        exempt = [e.strip() for e in self.auth_exempt.split(",")] if self.auth_exempt else []
+        _check(
+            all(e and " " not in e for e in exempt),
+            "auth_exempt",
+            self.auth_exempt,
+            "must be comma-separated names such as grpc.health.v1.Health",
+        )
 
     # --- command line ---------------------------------------------------------------------
     @classmethod

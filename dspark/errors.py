@@ -8,6 +8,9 @@ Example:
     >>> e = from_status("INVALID_ARGUMENT", "SamplingParams.top_p=2.0: must be in (0, 1]")
     >>> isinstance(e, InvalidArgument) and isinstance(e, ValueError), e.code
     (True, 'INVALID_ARGUMENT')
+    >>> e = from_status("OUT_OF_RANGE", "SamplingParams.max_tokens=99999: over the limit 512")
+    >>> isinstance(e, OutOfRange) and isinstance(e, InvalidArgument), e.code
+    (True, 'OUT_OF_RANGE')
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ class InvalidArgument(DSparkError, ValueError):
     code = "INVALID_ARGUMENT"
 
 
+class OutOfRange(InvalidArgument):
+    """A value beyond a limit: a prompt longer than the server's limit or the model's context,
+    max_tokens over the server's ceiling. The request may fit another server (or a shorter
+    prompt); a subclass of InvalidArgument, so `except InvalidArgument:` still catches it."""
+
+    code = "OUT_OF_RANGE"
+
+
 class DeadlineExceeded(DSparkError, TimeoutError):
     """The call's timeout passed; the server aborted the request and freed its caches."""
 
@@ -53,9 +64,22 @@ class Cancelled(DSparkError):
 
 
 class ResourceExhausted(DSparkError):
-    """The server cannot take the request now (a message or queue limit)."""
+    """The server cannot take the request now: too many requests in flight (retry later), or
+    the message is larger than the server's max_message_bytes."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(DSparkError):
+    """The server requires a bearer token and the call had none or a wrong one."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(DSparkError):
+    """The caller is known but not allowed to make this call."""
+
+    code = "PERMISSION_DENIED"
 
 
 class Internal(DSparkError):
@@ -68,10 +92,13 @@ _BY_CODE: dict[str, type[DSparkError]] = {
     cls.code: cls
     for cls in (
         InvalidArgument,
+        OutOfRange,
         DeadlineExceeded,
         Unavailable,
         Cancelled,
         ResourceExhausted,
+        Unauthenticated,
+        PermissionDenied,
         Internal,
     )
 }

@@ -6,8 +6,14 @@ one file says what each field means on the wire. Only protobuf is imported (no g
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from dspark.protos import dspark_pb2 as pb
 from dspark.sampling_params import SamplingParams
@@ -100,6 +106,94 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[str | tuple[int, ...], 
         raise ValueError("GenerateRequest.prompt is empty: set text or token_ids")
     prompt = msg.text if kind == "text" else tuple(msg.token_ids.ids)
     return prompt, params_from_proto(msg.params)
+
+
+# --- parsing on the server -------------------------------------------------------------------
+@dataclass(frozen=True)
+class MalformedMessage:
+    """Bytes that are not a valid message of the expected type; `message` says where they fail.
+
+    The server's request deserializer returns this instead of raising, so the servicer answers
+    INVALID_ARGUMENT with the reason (a raising deserializer makes gRPC answer INTERNAL).
+    """
+
+    message: str
+
+
+def lenient_parser(cls: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer for `cls` that returns a `MalformedMessage` instead of raising.
+
+    Example:
+        >>> parse = lenient_parser(pb.GenerateRequest)
+        >>> parse(pb.GenerateRequest(text="hi").SerializeToString()).text
+        'hi'
+        >>> print(parse(bytes([10, 3, 97, 255, 99])).message)  # doctest: +ELLIPSIS
+        GenerateRequest.text is not valid UTF-8: 'utf-8' codec can't decode byte 0xff in ...
+    """
+
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return MalformedMessage(_diagnose(cls.DESCRIPTOR, data, e))
+
+    return parse
+
+
+def _diagnose(descriptor: Descriptor, data: bytes, error: DecodeError) -> str:
+    """Name the string field holding bad UTF-8, or say the bytes are no such message."""
+    name = descriptor.name
+    try:
+        raw = _bytes_twin(descriptor).FromString(data)
+    except DecodeError:
+        return f"{name}: not a valid {descriptor.full_name} message ({_reason(error)})"
+    for path, value in _string_fields(raw, descriptor, name):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"{path} is not valid UTF-8: {e}"
+    return f"{name}: not a valid {descriptor.full_name} message ({_reason(error)})"
+
+
+def _reason(error: DecodeError) -> str:
+    return str(error).rsplit(": ", 1)[-1]
+
+
+@cache
+def _bytes_twin(descriptor: Descriptor) -> type[Message]:
+    """The message class of `descriptor` with every string field read as bytes (no UTF-8
+    check), built in a private descriptor pool: it parses what the real class refuses."""
+    proto = descriptor_pb2.FileDescriptorProto()
+    descriptor.file.CopyToProto(proto)
+    proto.ClearField("service")
+
+    def loosen(messages: Any) -> None:
+        for msg in messages:
+            for f in msg.field:
+                if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                    f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+            loosen(msg.nested_type)
+
+    loosen(proto.message_type)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(descriptor.full_name))
+
+
+def _string_fields(raw: Message, descriptor: Descriptor, path: str) -> list[tuple[str, bytes]]:
+    """(field path, bytes) of every string field set in `raw` (the bytes twin), nested too."""
+    out: list[tuple[str, bytes]] = []
+    for f in descriptor.fields:
+        value = getattr(raw, f.name)
+        here = f"{path}.{f.name}"
+        if f.type == FieldDescriptor.TYPE_STRING:
+            items = list(value) if f.is_repeated else [value]
+            out += [(f"{here}[{i}]" if f.is_repeated else here, v) for i, v in enumerate(items)]
+        elif f.type == FieldDescriptor.TYPE_MESSAGE:
+            items = list(value) if f.is_repeated else [value] if raw.HasField(f.name) else []
+            for i, v in enumerate(items):
+                out += _string_fields(v, f.message_type, f"{here}[{i}]" if f.is_repeated else here)
+    return out
 
 
 # --- chunks -----------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "proposer", "policy", "k", "tp", "num_draft_actors", "version")
+    __slots__ = ("target", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "proposer", "policy", "k", "tp", "num_draft_actors", "version", "max_prompt_tokens", "max_tokens_limit", "max_in_flight", "max_message_bytes")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,10 @@ class ModelInfo(_message.Message):
     TP_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_ACTORS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     target: str
     architecture: str
     vocab_size: int
@@ -116,4 +120,8 @@ class ModelInfo(_message.Message):
     tp: int
     num_draft_actors: int
     version: str
-    def __init__(self, target: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., proposer: _Optional[str] = ..., policy: _Optional[str] = ..., k: _Optional[int] = ..., tp: _Optional[int] = ..., num_draft_actors: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    max_in_flight: int
+    max_message_bytes: int
+    def __init__(self, target: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., proposer: _Optional[str] = ..., policy: _Optional[str] = ..., k: _Optional[int] = ..., tp: _Optional[int] = ..., num_draft_actors: _Optional[int] = ..., version: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...

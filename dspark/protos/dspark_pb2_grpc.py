@@ -55,9 +55,11 @@ class DSparkServicer:
 
     def Generate(self, request, context):
         """Generate for one prompt. Chunks stream as tokens are committed; the last chunk carries
-        the finish reason and the request's speculation statistics. Bad input fails with
-        INVALID_ARGUMENT before any chunk; cancelling the call or passing its deadline aborts the
-        request and frees its caches.
+        the finish reason and the request's speculation statistics. Before any chunk: malformed
+        input fails with INVALID_ARGUMENT, a value beyond the server's limits (ModelInfo) with
+        OUT_OF_RANGE, a full server or an oversized message with RESOURCE_EXHAUSTED, a draining
+        server with UNAVAILABLE, a missing or wrong bearer token with UNAUTHENTICATED. Cancelling
+        the call or passing its deadline aborts the request and frees its caches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
