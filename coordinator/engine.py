@@ -38,6 +38,7 @@ from dspark.draft_worker.draft_model import DraftModelProposer
 from dspark.draft_worker.dspark_proposer import DSparkProposer
 from dspark.draft_worker.ngram import NgramProposer
 from dspark.draft_worker.proposer import NoProposer, Proposer
+from dspark.faults import WorkerLost
 from dspark.messages import DraftQuery, Drafts, NewRequest, StepState, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
 from dspark.models.tokenizer import Tokenizer
@@ -65,6 +66,10 @@ class TargetWorker(Protocol):
     def release(self, req_id: str) -> None: ...
 
     def usage(self) -> dict[str, object]: ...
+
+    def recover(self) -> None:
+        """After `verify` raised WorkerLost: bring the workers back with no requests, or raise
+        WorkersUnavailable."""
 
 
 Prompt = str | Sequence[int]
@@ -283,11 +288,52 @@ class Engine:
                 break
             self._waiting.pop(0)
             self._reserved_blocks += need
-            new = NewRequest(req.req_id, req.prompt_ids, req.params, req.seed)
+            new = self._new_request(req)
             self.target.add_request(new)
             self.proposer.add_request(new)
             self._sent_to_drafter[req.req_id] = 0
             self._running[req.req_id] = req
+
+    def _new_request(self, req: Request) -> NewRequest:
+        # A rebuilt request's generators start a fresh stream: replaying the first seed would
+        # reuse the uniforms that decided its earlier tokens and correlate the continuation.
+        seed = req.seed if not req.rebuilds else (req.seed * 1_000_003 + req.rebuilds) % 2**63
+        return NewRequest(req.req_id, req.prompt_ids, req.params, seed)
+
+    # --- faults: rebuild worker state from committed tokens (DESIGN.md §4, invariant 1) -----
+    def _rebuild(self, req: Request, target: bool) -> None:
+        """Re-add `req` to the proposer (and the target, with `target`) as if newly admitted:
+        the next step resends every committed token; a rebuilt target re-prefills them."""
+        req.rebuilds += 1
+        new = self._new_request(req)
+        self.proposer.release(req.req_id)
+        self.proposer.add_request(new)
+        self._sent_to_drafter[req.req_id] = 0
+        self._pending_hidden.pop(req.req_id, None)
+        if target:
+            self.target.release(req.req_id)
+            self.target.add_request(new)
+            req.target_length = 0  # the KV cache is empty: the next verify is a prefill
+
+    def _rebuild_lost_drafts(self) -> None:
+        take = getattr(self.proposer, "take_rebuildable", None)
+        lost = take() if take is not None else ()
+        # A drafter fed by target hidden states needs them for every committed position, which
+        # only a target prefill gives back.
+        needs_target = bool(getattr(self.proposer, "hidden_layers", ()))
+        for req_id in lost:
+            self._rebuild(self._running[req_id], target=needs_target)
+        if lost:
+            logger.info("rebuilt the draft state of %d requests", len(lost))
+
+    def _recover_target(self, error: WorkerLost) -> None:
+        """A target worker died mid-step (nothing was committed): rebuild the group, then every
+        running request on both sides. Raises WorkersUnavailable when the group cannot return."""
+        logger.warning("target worker lost (%s): rebuilding, %d requests re-prefill",
+                       error, len(self._running))
+        self.target.recover()
+        for req in self._running.values():
+            self._rebuild(req, target=True)
 
     def _draft_cap(self, req: Request) -> int:
         # Commit appends at most ℓ + 1 tokens: stay within max_tokens and the context.
@@ -300,6 +346,7 @@ class Engine:
         if not self._running:
             return None
         start = time.perf_counter()
+        self._rebuild_lost_drafts()
         reqs = list(self._running.values())
         req_ids = tuple(r.req_id for r in reqs)
         lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids)
@@ -315,7 +362,11 @@ class Engine:
         budget = self.policy.choose_budget(drafts)
         planned = self.policy.plan_verification(drafts, budget)
         plan = self._plan(reqs, drafts, planned, budget)
-        result = self.target.verify(plan)
+        try:
+            result = self.target.verify(plan)
+        except WorkerLost as e:
+            self._recover_target(e)
+            return None
         if result.hidden is not None:
             for req_id, rows in zip(result.req_ids, result.hidden):
                 self._pending_hidden.setdefault(req_id, []).append(rows)

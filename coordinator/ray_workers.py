@@ -18,6 +18,7 @@ draft actor.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 Workers = tuple[TargetGroup, DraftPool]
 
 _PG_TIMEOUT_S = 120.0
+DRAFT_MAX_RESTARTS = 8  # a crash-looping drafter stops being restarted; requests decode plainly
 
 
 def connect(address: str | None = None, num_cpus: int | None = None,
@@ -111,7 +113,7 @@ def build_ray_workers(
         raise
     try:
         group = _join_target_ranks(started, target, num_blocks, block_size, dtype,
-                                   pool.hidden_layers, pool.max_model_len)
+                                   pool.hidden_layers, pool.max_model_len, omp_threads)
     except BaseException:
         shutdown((None, pool))
         raise
@@ -131,8 +133,12 @@ def build_draft_pool(
     *,
     num_gpus: float = 0.0,
     omp_threads: int = 1,
+    max_restarts: int = DRAFT_MAX_RESTARTS,
 ) -> DraftPool:
-    """Start `num_actors` draft actors (`draft-0` ...) on the connected Ray cluster."""
+    """Start `num_actors` draft actors (`draft-0` ...) on the connected Ray cluster.
+
+    Ray restarts a dead draft actor up to `max_restarts` times (its state is rebuilt by the
+    coordinator; see `DraftPool`)."""
     import ray
 
     if proposer not in PROPOSER_NAMES:
@@ -152,6 +158,7 @@ def build_draft_pool(
         cls.options(
             name=draft_actor_name(i), namespace=NAMESPACE, num_cpus=1, num_gpus=num_gpus,
             scheduling_strategy=_in_bundle(pg, i), runtime_env=_env(omp_threads),
+            max_restarts=max_restarts,
         ).remote(proposer, _str(drafter), _str(target), num_blocks, block_size, dtype, omp_threads)
         for i in range(num_actors)
     ]
@@ -183,7 +190,7 @@ def build_target_group(
     target = Path(target_dir) if target_dir is not None else demo_path("target")
     started = _start_target_ranks(target, tp, omp_threads)
     return _join_target_ranks(started, target, num_blocks, block_size, dtype, hidden_layers,
-                              max_model_len)
+                              max_model_len, omp_threads)
 
 
 def _start_target_ranks(target: Path, tp: int, omp_threads: int) -> tuple[list[Any], Any]:
@@ -210,6 +217,7 @@ def _start_target_ranks(target: Path, tp: int, omp_threads: int) -> tuple[list[A
 def _join_target_ranks(
     started: tuple[list[Any], Any], target: Path, num_blocks: int, block_size: int,
     dtype: torch.dtype, hidden_layers: tuple[int, ...], max_model_len: int | None,
+    omp_threads: int,
 ) -> TargetGroup:
     import ray
 
@@ -224,7 +232,25 @@ def _join_target_ranks(
     except BaseException:
         _kill(actors, pg)
         raise
-    return TargetGroup(actors, infos[0], pg, max_model_len=max_model_len)
+    group = TargetGroup(actors, infos[0], pg, max_model_len=max_model_len)
+    group.rebuild = functools.partial(
+        _rebuild_target_group, target=target, num_blocks=num_blocks, block_size=block_size,
+        dtype=dtype, hidden_layers=hidden_layers, max_model_len=max_model_len,
+        omp_threads=omp_threads,
+    )
+    return group
+
+
+def _rebuild_target_group(old: TargetGroup, *, target: Path, num_blocks: int, block_size: int,
+                          dtype: torch.dtype, hidden_layers: tuple[int, ...],
+                          max_model_len: int | None, omp_threads: int) -> TargetGroup:
+    """Kill what is left of `old` and start a fresh group of the same shape (no requests)."""
+    tp = old.tp
+    _kill(old.actors, old.placement_group)
+    _await_free_names([target_actor_name(i) for i in range(tp)])
+    started = _start_target_ranks(target, tp, omp_threads)
+    return _join_target_ranks(started, target, num_blocks, block_size, dtype, hidden_layers,
+                              max_model_len, omp_threads)
 
 
 def _str(path: Path | None) -> str | None:
@@ -267,6 +293,21 @@ def _kill(actors: list[Any], pg: Any) -> None:
         remove_placement_group(pg)
 
 
+def _await_free_names(names: list[str], timeout: float = 30.0) -> None:
+    """Wait until no live actor holds these names: a killed actor's name is free only once the
+    GCS has seen it die."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.05)
+
+
 def shutdown(workers: tuple[TargetGroup | None, DraftPool | None] | None = None,
              stop_ray: bool = False) -> None:
     """Kill the pools' actors, free their placement groups and names; optionally stop Ray."""
@@ -282,13 +323,6 @@ def shutdown(workers: tuple[TargetGroup | None, DraftPool | None] | None = None,
         _kill(part.actors, part.placement_group)
         names += [target_actor_name(i) if isinstance(part, TargetGroup) else draft_actor_name(i)
                   for i in range(len(part.actors))]
-    deadline = time.monotonic() + 30.0
-    for name in names:  # a killed actor's name is free only once the GCS has seen it die
-        while time.monotonic() < deadline:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            time.sleep(0.05)
+    _await_free_names(names)
     if stop_ray:
         ray.shutdown()

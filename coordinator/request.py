@@ -64,6 +64,7 @@ class Request:
     target_length: int = 0  # target KV entries: committed tokens minus the uncached anchor
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where the text is cut when a stop string matched
+    rebuilds: int = 0  # times a worker's state of this request was rebuilt after a fault
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property

@@ -13,11 +13,20 @@ holds: it speaks the `Proposer` verbs and routes requests M:N over the actors, s
 - `propose` sends each actor its queries (and queued verbs) concurrently, waits for all, and
   merges the per-actor `Drafts` into one batch in the query order.
 
+Faults (invariant 5: a draft-side failure changes speed, never output): when an actor dies (or
+its proposer raises) in the middle of a call, its requests are marked lost and get no drafts
+(plain decoding, counted in `faults` and logged); Ray restarts the actor (`max_restarts`) and a
+readiness probe tells the pool when it serves again. `take_rebuildable()` hands the coordinator
+the lost requests once some actor serves; the coordinator re-adds each (release, add_request,
+committed tokens resent), so speculation resumes. Nothing the actor held was the truth.
+
 Ray is imported lazily (see `dspark.target_worker.actor`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +35,8 @@ from typing import Any
 import torch
 
 from dspark.messages import DraftQuery, Drafts, NewRequest
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "dspark"
 PROPOSER_NAMES = ("draft-model", "ngram", "dspark", "none")
@@ -140,6 +151,10 @@ class DraftActor:
         """The requests whose draft state lives here (sorted) and how many were ever added."""
         return {"held": sorted(self._requests), "served": self._served}
 
+    def pid(self) -> int:
+        """This actor's process id (fault-injection tests kill it)."""
+        return os.getpid()
+
 
 class RoutingTable:
     """Which actor holds which request: assigned once, sticky until released.
@@ -153,11 +168,13 @@ class RoutingTable:
         self._actor_of: dict[str, int] = {}
         self._load = [0] * num_actors
 
-    def assign(self, req_id: str) -> int:
-        """Route a new request to the least-loaded actor (ties: the lowest index)."""
+    def assign(self, req_id: str, avoid: frozenset[int] = frozenset()) -> int:
+        """Route a new request to the least-loaded actor not in `avoid` (ties: the lowest index;
+        every actor avoided: the least-loaded of all)."""
         if req_id in self._actor_of:
             raise ValueError(f"request {req_id!r} is already routed to {self._actor_of[req_id]}")
-        actor = min(range(len(self._load)), key=lambda i: (self._load[i], i))
+        choices = [i for i in range(len(self._load)) if i not in avoid] or range(len(self._load))
+        actor = min(choices, key=lambda i: (self._load[i], i))
         self._actor_of[req_id] = actor
         self._load[actor] += 1
         return actor
@@ -173,6 +190,9 @@ class RoutingTable:
 
     def loads(self) -> list[int]:
         return list(self._load)
+
+    def requests_of(self, actor: int) -> list[str]:
+        return [r for r, a in self._actor_of.items() if a == actor]
 
 
 class DraftPool:
@@ -197,50 +217,122 @@ class DraftPool:
         self.has_confidence_head: bool = info["has_confidence_head"]
         self.sequential_drafts: bool = info["sequential_drafts"]
         self._ops: list[list[Op]] = [[] for _ in self.actors]
+        self._down: dict[int, Any] = {}  # actor -> readiness probe (None: it will not return)
+        self._lost: set[str] = set()  # requests whose draft state died with their actor
         self.timing = {"propose_calls": 0, "propose_seconds": 0.0}
+        # actor_failures: calls lost to a dead or failing actor; actors_back: restarts that
+        # serve again; undrafted_rows: query rows answered without drafts because of a fault.
+        self.faults = {"actor_failures": 0, "actors_back": 0, "undrafted_rows": 0}
 
     def add_request(self, new: NewRequest) -> None:
-        self._ops[self.routes.assign(new.req_id)].append(("add_request", new))
+        actor = self.routes.assign(new.req_id, avoid=frozenset(self._down))
+        if actor in self._down:  # every actor is down: draft it once one serves again
+            self._lost.add(new.req_id)
+        else:
+            self._ops[actor].append(("add_request", new))
 
     def commit(self, req_id: str, num_accepted: int) -> None:
-        self._ops[self.routes.actor_of(req_id)].append(("commit", (req_id, num_accepted)))
+        if req_id not in self._lost:
+            self._ops[self.routes.actor_of(req_id)].append(("commit", (req_id, num_accepted)))
 
     def release(self, req_id: str) -> None:
         actor = self.routes.remove(req_id)
-        if actor is not None:
+        if req_id in self._lost:
+            self._lost.discard(req_id)  # its state is gone already
+        elif actor is not None:
             self._ops[actor].append(("release", req_id))
+
+    def take_rebuildable(self) -> list[str]:
+        """Lost requests that can be drafted again now (some actor serves), sorted. The caller
+        re-adds each one: `release`, then `add_request` with its committed tokens resent."""
+        self._poll_down()
+        if len(self._down) == len(self.actors):
+            return []
+        return sorted(self._lost)
 
     def propose(self, queries: list[DraftQuery]) -> Drafts:
         import ray
 
         start = time.perf_counter()
+        self._poll_down()
         per_actor: dict[int, list[int]] = {}  # actor -> positions in `queries`
         for i, q in enumerate(queries):
-            per_actor.setdefault(self.routes.actor_of(q.req_id), []).append(i)
+            if q.req_id in self._lost:
+                self.faults["undrafted_rows"] += 1
+            else:
+                per_actor.setdefault(self.routes.actor_of(q.req_id), []).append(i)
         calls: list[tuple[int, Any]] = []
         for a, actor in enumerate(self.actors):
             rows = per_actor.get(a)
-            if rows is None and not self._ops[a]:
+            if a in self._down or (rows is None and not self._ops[a]):
                 continue
             ops, self._ops[a] = self._ops[a], []
             sub = None if rows is None else [queries[i] for i in rows]
             calls.append((a, actor.step.remote(ops, sub)))
-        outs = ray.get([ref for _, ref in calls])
-        parts = [(per_actor[a], d) for (a, _), d in zip(calls, outs, strict=True) if d is not None]
+        parts = []
+        for a, ref in calls:
+            try:
+                d = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                self.faults["undrafted_rows"] += len(per_actor.get(a, ()))
+                self._actor_failed(a, e)
+                continue
+            if d is not None:
+                parts.append((per_actor[a], d))
         merged = merge_drafts(tuple(q.req_id for q in queries), parts)
         self.timing["propose_calls"] += 1
         self.timing["propose_seconds"] += time.perf_counter() - start
         return merged
+
+    def _actor_failed(self, a: int, error: Exception) -> None:
+        """Actor `a` died or raised mid-call: its requests' draft state is gone. A raising actor
+        is restarted too, since its state may be half-updated."""
+        import ray
+
+        self.faults["actor_failures"] += 1
+        lost = self.routes.requests_of(a)
+        logger.warning(
+            "draft actor %d failed (%s: %s); %d requests continue without drafts until it is "
+            "replaced", a, type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+            len(lost),
+        )
+        if not isinstance(error, ray.exceptions.RayActorError):
+            ray.kill(self.actors[a], no_restart=False)
+        self._ops[a] = []
+        self._lost.update(lost)
+        self._down[a] = self.actors[a].info.remote()  # answers once Ray has restarted it
+
+    def _poll_down(self) -> None:
+        import ray
+
+        for a, probe in list(self._down.items()):
+            if probe is None or not ray.wait([probe], timeout=0)[0]:
+                continue
+            try:
+                ray.get(probe)
+            except ray.exceptions.ActorUnavailableError:  # still restarting: ask again
+                self._down[a] = self.actors[a].info.remote()
+                continue
+            except ray.exceptions.RayError as e:
+                logger.error("draft actor %d cannot be restarted (%s); routing around it", a, e)
+                self._down[a] = None
+                continue
+            del self._down[a]
+            self.faults["actors_back"] += 1
+            logger.info("draft actor %d serves again", a)
+
+    def _live(self) -> list[int]:
+        return [a for a in range(len(self.actors)) if a not in self._down]
 
     def flush(self) -> None:
         """Send the queued verbs now (they otherwise travel with the next `propose`)."""
         import ray
 
         refs = []
-        for a, actor in enumerate(self.actors):
+        for a in self._live():
             if self._ops[a]:
                 ops, self._ops[a] = self._ops[a], []
-                refs.append(actor.step.remote(ops, None))
+                refs.append(self.actors[a].step.remote(ops, None))
         ray.get(refs)
 
     def busy(self) -> list[dict[str, float]]:
@@ -250,11 +342,11 @@ class DraftPool:
         return ray.get([a.busy.remote() for a in self.actors])
 
     def usage(self) -> dict[str, object]:
-        """Requests holding state on any draft actor and the KV blocks they use in all."""
+        """Requests holding state on any serving draft actor and the KV blocks they use."""
         import ray
 
         self.flush()
-        parts = ray.get([a.usage.remote() for a in self.actors])
+        parts = ray.get([self.actors[a].usage.remote() for a in self._live()])
         held = sorted({r for p in parts for r in p["requests"]})
         return {"requests": held, "used_blocks": sum(p["used_blocks"] for p in parts)}
 

@@ -21,12 +21,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from dspark.faults import WorkerLost, WorkersUnavailable
 from dspark.messages import NewRequest, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
 
@@ -36,6 +37,15 @@ NAMESPACE = "dspark"
 
 # One queued verb: ("add_request", NewRequest) | ("rollback", {req_id: length}) | ("release", id)
 Op = tuple[str, Any]
+
+
+STEP_TIMEOUT_S = 300.0  # a verify step longer than this counts as a lost rank
+MAX_RECOVERIES = 3  # group rebuilds in a row (no successful verify between) before giving up
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def target_actor_name(rank: int) -> str:
@@ -167,6 +177,10 @@ class TargetActor:
     def usage(self) -> dict[str, object]:
         return self.runner.usage()
 
+    def pid(self) -> int:
+        """This rank's process id (fault-injection tests kill it)."""
+        return os.getpid()
+
     def decision_digest(self) -> tuple[int, str]:
         """(decisions taken, their sha256) on this rank; tp = 1 has nothing to compare."""
         digest = getattr(self.runner, "decision_digest", None)
@@ -191,6 +205,14 @@ class TargetGroup:
         self.device: str = info["device"]
         self._ops: list[Op] = []
         self.timing = {"verify_calls": 0, "verify_seconds": 0.0}
+        # Fault handling: `rebuild(old)` starts a fresh group in place of `old` (set by
+        # `dspark.coordinator.ray_workers`; None: this group cannot be rebuilt). A step that does
+        # not finish within `step_timeout` seconds counts as a lost worker.
+        self.rebuild: Callable[[TargetGroup], TargetGroup] | None = None
+        self.step_timeout = STEP_TIMEOUT_S
+        self.max_recoveries = MAX_RECOVERIES  # in a row, without a verify that succeeded
+        self.recoveries = 0  # in all
+        self._failed_in_a_row = 0
 
     @property
     def tp(self) -> int:
@@ -211,7 +233,8 @@ class TargetGroup:
 
         start = time.perf_counter()
         ops, self._ops = self._ops, []
-        results = ray.get([a.step.remote(ops, plan) for a in self.actors])
+        results = self._gather([a.step.remote(ops, plan) for a in self.actors])
+        self._failed_in_a_row = 0
         self.timing["verify_calls"] += 1
         self.timing["verify_seconds"] += time.perf_counter() - start
         first = results[0]
@@ -223,11 +246,65 @@ class TargetGroup:
 
     def flush(self) -> None:
         """Send the queued verbs now (they otherwise travel with the next `verify`)."""
-        import ray
-
         ops, self._ops = self._ops, []
         if ops:
-            ray.get([a.step.remote(ops, None) for a in self.actors])
+            self._gather([a.step.remote(ops, None) for a in self.actors])
+
+    def _gather(self, refs: list[Any]) -> list[Any]:
+        """Every rank's answer; WorkerLost as soon as one rank is dead or the step times out.
+
+        A rank's exception is a bug unless a rank died (a dead peer fails the others'
+        collectives): then it is WorkerLost too. The caller never waits on a dead group.
+        """
+        import ray
+
+        pending, deadline = list(refs), time.monotonic() + self.step_timeout
+        try:
+            while pending:
+                done, pending = ray.wait(
+                    pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+                )
+                if not done:
+                    raise WorkerLost(f"a target rank did not answer within {self.step_timeout:g}s")
+                ray.get(done[0])
+        except ray.exceptions.RayActorError as e:
+            raise WorkerLost(f"a target rank died: {_first_line(e)}") from e
+        except ray.exceptions.RayTaskError as e:
+            dead = self._dead_ranks()
+            if dead:
+                raise WorkerLost(f"target ranks {dead} died: {_first_line(e)}") from e
+            raise
+        return ray.get(refs)
+
+    def _dead_ranks(self) -> list[int]:
+        import ray
+
+        dead = []
+        for rank, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.busy.remote(), timeout=10.0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(rank)
+        return dead
+
+    def recover(self) -> None:
+        """Replace every rank with a fresh group holding no requests (the coordinator re-adds
+        and re-prefills them). Raises WorkersUnavailable when that is not possible."""
+        self._failed_in_a_row += 1
+        if self.rebuild is None:
+            raise WorkersUnavailable("the target group lost a rank and cannot be rebuilt")
+        if self._failed_in_a_row > self.max_recoveries:
+            raise WorkersUnavailable(
+                f"the target group failed {self._failed_in_a_row} times in a row; giving up"
+            )
+        try:
+            fresh = self.rebuild(self)
+        except Exception as e:  # noqa: BLE001 - any failure to start is the same to callers
+            raise WorkersUnavailable(f"could not rebuild the target group: {e}") from e
+        self.actors, self.placement_group = fresh.actors, fresh.placement_group
+        self._ops = []
+        self.recoveries += 1
+        logger.warning("target group rebuilt (%d ranks, recovery %d)", self.tp, self.recoveries)
 
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Rank 0's logits of every position of each prompt (all ranks run the pass)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.faults import WorkersUnavailable
 from dspark.kernels.acceptance import accept
 from dspark.kernels.sampling import warp_probs
 from dspark.messages import NewRequest, VerifyPlan, VerifyResult
@@ -125,6 +126,10 @@ class TargetRunner:
         self.cache.release(req_id)
         self._params.pop(req_id, None)
         self._generators.pop(req_id, None)
+
+    def recover(self) -> None:
+        """An in-process runner never loses a worker (`verify` does not raise WorkerLost)."""
+        raise WorkersUnavailable("the in-process target runner cannot be rebuilt")
 
     def usage(self) -> dict[str, object]:
         """Requests holding state here and KV blocks in use (leak checks read this)."""

@@ -18,7 +18,7 @@ from dspark.demo import demo_path
 from dspark.target_worker.actor import TargetGroup
 
 NUM_BLOCKS = 512  # 8k tokens of KV per rank: the tests' batches need a few hundred blocks
-LOGICAL_CPUS = 4  # placement bundles: 2 TP ranks + 2 draft actors (the cores are shared)
+LOGICAL_CPUS = 6  # placement bundles: 2 TP ranks + 2 draft actors + a fault test's group (cores shared)
 
 
 @pytest.fixture(scope="package")
