@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 from dspark.coordinator.detokenize import IncrementalDetokenizer
 from dspark.coordinator.metrics import ServeMetrics
 from dspark.errors import DSparkError
+from dspark.faults import WorkersUnavailable
 from dspark.messages import StepState
 from dspark.protocol import Chunk
 from dspark.sampling_params import SamplingParams
@@ -209,6 +210,10 @@ class EngineLoop:
         start = time.perf_counter()
         try:
             state = self.engine.step()
+        except WorkersUnavailable as e:  # a worker pool is gone for good: say so, do not hang
+            logger.error("workers unavailable; failing every request: %s", e)
+            self._fail(str(e), code="UNAVAILABLE")
+            return
         except Exception as e:  # noqa: BLE001 - the engine's state is unknown: stop serving
             logger.exception("engine step failed; failing every request")
             self._fail(f"{type(e).__name__}: {e}")
@@ -256,10 +261,10 @@ class EngineLoop:
             ),
         )
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, code: str = "INTERNAL") -> None:
         self._failure = message
         for handle in list(self._live.values()):
-            self._drop(handle, Failed("INTERNAL", f"engine failed: {message}"))
+            self._drop(handle, Failed(code, f"engine failed: {message}"))
         for fn in self._on_failure:
             fn(message)
 
