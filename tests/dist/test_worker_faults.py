@@ -167,3 +167,33 @@ def test_target_group_that_cannot_be_rebuilt_fails_fast_with_workers_unavailable
         while engine.has_unfinished():
             engine.step()
     assert time.monotonic() - start < 60  # a clear error, not a hang
+
+
+def test_streams_survive_a_killed_target_rank_over_grpc(own_tp2_group, prompts, reference) -> None:
+    """Through the real server: chunks streamed before and after the rebuild concatenate to the
+    reference exactly (nothing lost, nothing sent twice)."""
+    import dspark
+    from dspark.coordinator.server import Server
+
+    group, pool = own_tp2_group
+    engine = Engine(proposer="ngram", policy="fixed", k=4, max_num_seqs=8,
+                    num_blocks=NUM_BLOCKS, workers=(group, pool))
+    with Server(engine) as server, dspark.Client(server.address, timeout=120) as client:
+        stream = client.stream(prompts[1], GREEDY)
+        tokens = list(next(stream).token_ids)
+        _kill(group.actors[0])
+        last = None
+        for chunk in stream:
+            tokens += chunk.token_ids
+            last = chunk
+        assert tuple(tokens) == reference[1]
+        assert last is not None and last.finish_reason is not None
+        assert group.recoveries == 1
+        # Unrecoverable: the next fault ends the request with UNAVAILABLE and a clear message.
+        group.max_recoveries = 0
+        stream = client.stream(prompts[2], GREEDY)
+        next(stream)
+        _kill(group.actors[1])
+        with pytest.raises(dspark.errors.Unavailable, match="target group"):
+            for _ in stream:
+                pass
