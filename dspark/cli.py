@@ -93,8 +93,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print("dspark: stopping", flush=True)
+    # SIGTERM (Kubernetes, systemd) or SIGINT: drain. Health turns NOT_SERVING and new calls
+    # get UNAVAILABLE at once; calls in flight get the grace period to finish, then exit 0.
+    servicer = service.server.servicer
+    print(f"dspark: stopping: draining {servicer.in_flight if servicer else 0} calls in flight "
+          f"(grace {service.config.grace:g} s)", flush=True)
     service.stop()
+    print("dspark: stopped", flush=True)
     return 0
 
 
@@ -133,6 +138,12 @@ def cmd_bench_policies(a: argparse.Namespace) -> int:
     run_policy_bench(proposer=a.proposer, concurrencies=concs, max_tokens=a.max_tokens,
                      out_dir=Path(a.out))
     return 0
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from dspark.coordinator.sim.cli import main as simulate_main
+
+    return simulate_main(a)
 
 
 def cmd_demo_path(a: argparse.Namespace) -> int:
@@ -273,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/profile")
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("simulate", help="simulate a fleet: policies across load (docs/scale.md)")
+    from dspark.coordinator.sim.cli import add_arguments as simulate_arguments
+
+    simulate_arguments(p)
+    p.set_defaults(fn=cmd_simulate)
 
     p = sub.add_parser("demo-path", help="print the directory of a shipped demo checkpoint")
     p.add_argument("name", choices=["target", "draft-model", "dspark"])

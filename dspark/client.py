@@ -6,6 +6,12 @@ server commits tokens. Failed calls raise `dspark.errors` exceptions mapped from
 carrying the server's message (`InvalidArgument` is also a ValueError, `DeadlineExceeded` a
 TimeoutError, `Unavailable` a ConnectionError).
 
+Security: `token=` sends `authorization: Bearer <token>` with every call (default: the
+DSPARK_AUTH_TOKEN environment variable, when set); `tls=True` or `root_certificates=` (PEM bytes
+of the CA that signed the server's certificate) opens a TLS channel, and `private_key=` with
+`certificate_chain=` present a client certificate (mutual TLS). Without TLS a token travels in
+plain text: use it so only on loopback or a trusted network.
+
 Example (with `dspark serve` running):
     >>> from dspark import Client, SamplingParams
     >>> with Client("127.0.0.1:50051") as client:  # doctest: +SKIP
@@ -15,6 +21,7 @@ Example (with `dspark serve` running):
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +37,33 @@ from dspark.sampling_params import SamplingParams
 Params = SamplingParams | Mapping[str, object] | None
 
 __all__ = ["AsyncClient", "Chunk", "Client", "result_from_chunks"]
+
+TOKEN_ENV = "DSPARK_AUTH_TOKEN"
+
+
+class _Connection:
+    """What both clients share: the channel's credentials and the per-call metadata."""
+
+    def __init__(
+        self,
+        token: str | None,
+        tls: bool,
+        root_certificates: bytes | None,
+        private_key: bytes | None,
+        certificate_chain: bytes | None,
+    ) -> None:
+        if (private_key is None) != (certificate_chain is None):
+            raise ValueError("private_key and certificate_chain go together (mutual TLS)")
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip() or None
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        secure = tls or root_certificates is not None or private_key is not None
+        self.credentials = (
+            grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            if secure
+            else None
+        )
 
 
 def result_from_chunks(chunks: Iterable[Chunk]) -> GenerationResult:
@@ -66,6 +100,9 @@ class Client:
         >>> params = {"temperature": 0, "max_tokens": 8}
         >>> for chunk in client.stream([12, 7, 99], params):  # doctest: +SKIP
         ...     print(chunk.token_ids, chunk.text)
+        >>> ca = open("ca.pem", "rb").read()  # doctest: +SKIP
+        >>> secure = Client("dspark.internal:50051", token=os.environ["MY_TOKEN"],
+        ...                 root_certificates=ca)  # doctest: +SKIP
     """
 
     def __init__(
@@ -74,10 +111,21 @@ class Client:
         *,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=list(options))
+        self._conn = _Connection(token, tls, root_certificates, private_key, certificate_chain)
+        if self._conn.credentials is not None:
+            self._channel = grpc.secure_channel(
+                address, self._conn.credentials, options=list(options)
+            )
+        else:
+            self._channel = grpc.insecure_channel(address, options=list(options))
         self._stub = pb_grpc.DSparkStub(self._channel)
 
     def generate(
@@ -98,7 +146,7 @@ class Client:
         return self._chunks(request, timeout if timeout is not None else self.timeout)
 
     def _chunks(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[Chunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._conn.metadata)
         try:
             for msg in call:
                 yield chunk_from_proto(msg)
@@ -110,7 +158,11 @@ class Client:
     def model_info(self, *, timeout: float | None = None) -> dict[str, object]:
         """What the server serves: target, architecture, proposer, policy, k, tp, limits."""
         try:
-            msg = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self.timeout)
+            msg = self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(),
+                timeout=timeout or self.timeout,
+                metadata=self._conn.metadata,
+            )
         except grpc.RpcError as e:
             raise _error(e) from None
         return info_from_proto(msg)
@@ -148,16 +200,27 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self._options = list(options)
+        self._conn = _Connection(token, tls, root_certificates, private_key, certificate_chain)
         self._channel: grpc.aio.Channel | None = None
         self._stub_: pb_grpc.DSparkStub | None = None
 
     def _stub(self) -> pb_grpc.DSparkStub:
         if self._stub_ is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            if self._conn.credentials is not None:
+                self._channel = grpc.aio.secure_channel(
+                    self.address, self._conn.credentials, options=self._options
+                )
+            else:
+                self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
             self._stub_ = pb_grpc.DSparkStub(self._channel)
         return self._stub_
 
@@ -177,7 +240,7 @@ class AsyncClient:
     async def _chunks(
         self, request: pb.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[Chunk]:
-        call = self._stub().Generate(request, timeout=timeout)
+        call = self._stub().Generate(request, timeout=timeout, metadata=self._conn.metadata)
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)
@@ -189,7 +252,9 @@ class AsyncClient:
     async def model_info(self, *, timeout: float | None = None) -> dict[str, object]:
         try:
             msg = await self._stub().GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=timeout or self.timeout
+                pb.GetModelInfoRequest(),
+                timeout=timeout or self.timeout,
+                metadata=self._conn.metadata,
             )
         except grpc.RpcError as e:
             raise _error(e) from None
