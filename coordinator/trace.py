@@ -88,10 +88,11 @@ class StepTrace:
 
 @dataclass(frozen=True)
 class RequestTrace:
-    """One request's life in a trace: its prompt, and per step (ℓ, A, committed, confidences)."""
+    """One request's life in a trace: its prompt, and per step (γ, ℓ, A, committed, confidences)."""
 
     req_id: str
     prompt_len: int
+    drafted: tuple[int, ...]
     planned: tuple[int, ...]
     accepted: tuple[int, ...]
     committed: tuple[int, ...]
@@ -114,14 +115,15 @@ class Trace:
         for s in self.steps:
             for i, r in enumerate(s.req_ids):
                 if r not in acc:
-                    acc[r] = {"l": [], "a": [], "c": [], "conf": []}
+                    acc[r] = {"d": [], "l": [], "a": [], "c": [], "conf": []}
                     prompts[r] = s.num_input[i] - s.planned[i] if s.new[i] else 1
                 row = acc[r]
+                row["d"].append(s.drafted[i])
                 row["l"].append(s.planned[i])
                 row["a"].append(s.accepted[i])
                 row["c"].append(s.committed[i])
                 row["conf"].append(None if s.confidences is None else s.confidences[i])
-        return [RequestTrace(r, prompts[r], tuple(v["l"]), tuple(v["a"]), tuple(v["c"]),
+        return [RequestTrace(r, prompts[r], tuple(v["d"]), tuple(v["l"]), tuple(v["a"]), tuple(v["c"]),
                              tuple(v["conf"])) for r, v in acc.items()]
 
     def tokens_per_second(self) -> float:
