@@ -4,9 +4,14 @@ Profiled at start-up (or by `dspark profile`): the median of repeats for every v
 B = 1..B_max and every draft batch size n = 1..n_max, made monotone (a running maximum: a larger
 batch never costs less), persisted as JSON keyed by model and hardware, and reloaded.
 
-The scheduler asks `step_time(B, draft_positions, draft_reqs)`: the verify time of B tokens plus,
-for a proposer whose cost grows with the number of drafts (an autoregressive draft model), one
-draft forward per drafted position.
+The scheduler asks `step_time(B, num_reqs, draft_positions, sampled)`: the verify time of B tokens
+plus, for a proposer whose cost grows with the number of drafts (an autoregressive draft model),
+the drafting round: its first position (`draft_first`: the catch-up forward over the committed
+tokens the drafter lacks and the call's fixed cost) and one forward per further position
+(`draft`), each measured greedy and sampling (`*_sampled`: warp and draw per position), since
+a round at temperature > 0 costs more. A profile of the real worker verbs
+(`coordinator.profiler.profile_workers`) fills every table; a forward-only profile fills
+`verify` and `draft` and leaves the others empty (then they default to `draft`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class CostModel:
     verify: tuple[float, ...]  # [B_max] seconds for a verify pass of 1..B_max tokens
     draft: tuple[float, ...] = ()  # [n_max] seconds for one draft position over 1..n_max requests
     meta: dict[str, str] = field(default_factory=dict)
+    draft_first: tuple[float, ...] = ()  # [n_max] seconds of a round's first position
+    draft_sampled: tuple[float, ...] = ()  # [n_max] `draft` at temperature 1
+    draft_first_sampled: tuple[float, ...] = ()  # [n_max] `draft_first` at temperature 1
 
     def __post_init__(self) -> None:
         if not self.verify:
@@ -40,35 +48,51 @@ class CostModel:
         """Time of a verify pass of `num_tokens`; linear extrapolation past the profiled range."""
         return _lookup(self.verify, num_tokens)
 
-    def draft_time(self, num_reqs: int, positions: int) -> float:
-        """Time of `positions` sequential draft forwards over `num_reqs` requests."""
-        if not self.draft or positions <= 0 or num_reqs <= 0:
-            return 0.0
-        return positions * _lookup(self.draft, num_reqs)
+    def _draft_costs(self, num_reqs: int, sampled: bool) -> tuple[float, float]:
+        """(first position, each further position) of a drafting round over `num_reqs`."""
+        per = self.draft_sampled if sampled and self.draft_sampled else self.draft
+        first = self.draft_first_sampled if sampled and self.draft_first_sampled else self.draft_first
+        if not per or num_reqs <= 0:
+            return 0.0, 0.0
+        each = _lookup(per, num_reqs)
+        return (_lookup(first, num_reqs) if first else each), each
 
-    def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0) -> float:
-        return self.verify_time(num_tokens) + self.draft_time(num_reqs, draft_positions)
+    def draft_time(self, num_reqs: int, positions: int, sampled: bool = False) -> float:
+        """Time of a drafting round of `positions` sequential positions over `num_reqs`."""
+        if positions <= 0:
+            return 0.0
+        first, each = self._draft_costs(num_reqs, sampled)
+        return first + (positions - 1) * each
+
+    def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0,
+                  sampled: bool = False) -> float:
+        return self.verify_time(num_tokens) + self.draft_time(num_reqs, draft_positions, sampled)
 
     def step_times(
-        self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor
+        self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor,
+        sampled: bool = False,
     ) -> torch.Tensor:  # [n] float64
         """`step_time` for many verify sizes at once (num_tokens, draft_positions: [n] int)."""
         verify = _lookup_many(self.verify, num_tokens)
-        per_position = _lookup(self.draft, num_reqs) if self.draft and num_reqs > 0 else 0.0
-        return verify + per_position * draft_positions.clamp(min=0).to(torch.float64)
+        first, each = self._draft_costs(num_reqs, sampled)
+        positions = draft_positions.clamp(min=0).to(torch.float64)
+        drafting = torch.where(positions > 0, first + (positions - 1) * each, 0.0)
+        return verify + drafting
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": self.key, "verify": list(self.verify),
-                                    "draft": list(self.draft), "meta": self.meta}, indent=1) + "\n")
+        raw = {"key": self.key, "meta": self.meta}
+        raw.update({name: list(getattr(self, name)) for name in _TABLES})
+        path.write_text(json.dumps(raw, indent=1) + "\n")
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
         raw = json.loads(Path(path).read_text())
-        return cls(raw["key"], tuple(raw["verify"]), tuple(raw.get("draft", ())), raw.get("meta", {}))
+        tables = {name: tuple(raw.get(name, ())) for name in _TABLES}
+        return cls(raw["key"], meta=raw.get("meta", {}), **tables)
 
     @classmethod
     def linear(cls, fixed: float, per_token: float, b_max: int = 512, draft_fixed: float = 0.0,
@@ -77,6 +101,9 @@ class CostModel:
         verify = tuple(fixed + per_token * b for b in range(1, b_max + 1))
         draft = tuple(draft_fixed for _ in range(n_max)) if draft_fixed else ()
         return cls("linear", verify, draft)
+
+
+_TABLES = ("verify", "draft", "draft_first", "draft_sampled", "draft_first_sampled")
 
 
 def _lookup(table: tuple[float, ...], n: int) -> float:

@@ -208,14 +208,15 @@ class Engine:
             return CostModel.load(given)
         if policy in ("off", "fixed"):
             return None
-        if not hasattr(self.target, "model"):
-            raise ValueError(
-                f"policy={policy!r} with remote workers needs cost_model= (measure one with `dspark profile`)"
-            )
-        draft_model = getattr(self.proposer, "model", None) if getattr(
-            self.proposer, "sequential_drafts", False) else None
-        draft_dir = getattr(self.proposer, "path", None) if draft_model is not None else None
-        return load_or_profile(target_dir, draft_dir, self.target.model, draft_model, profile_dir)
+        # The profile times the workers' own verbs, so remote pools are profiled with their
+        # transport; the cache key tells the layouts apart.
+        sequential = getattr(self.proposer, "sequential_drafts", False)
+        draft_dir = None
+        if sequential:
+            draft_dir = Path(drafter) if drafter is not None else demo_path(self.proposer.name)
+        layout = f"{type(self.target).__name__}-tp{getattr(self.target, 'tp', 1)}"
+        return load_or_profile(target_dir, draft_dir, self.target, self.proposer if sequential
+                               else None, profile_dir, layout=layout)
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.proposer, "vocab_size", None)
@@ -349,7 +350,8 @@ class Engine:
         self._rebuild_lost_drafts()
         reqs = list(self._running.values())
         req_ids = tuple(r.req_id for r in reqs)
-        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids)
+        sampled = any(r.params.temperature > 0 for r in reqs)
+        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled)
         queries = []
         for r, n in zip(reqs, lengths):
             sent = self._sent_to_drafter[r.req_id]

@@ -1,8 +1,9 @@
 """Verification policies: how many drafts each request gets verified in a step (DESIGN.md §2-3).
 
 One interface for every policy:
-- `draft_lengths(caps, req_ids)`: how many drafts to ask the proposer for, per request (never
-  above its cap, which comes from max_tokens and the context length);
+- `draft_lengths(caps, req_ids, sampled)`: how many drafts to ask the proposer for, per request
+  (never above its cap, which comes from max_tokens and the context length); `sampled` says
+  whether any request samples (temperature > 0), which makes drafting dearer;
 - `choose_budget(drafts)`: K, the total draft positions to verify this step;
 - `plan_verification(drafts, K)`: ℓ_r per request, Σ ℓ_r <= K, a prefix of each request's drafts;
 - `observe(step)`: feedback after commit (acceptance history for adaptive policies).
@@ -22,7 +23,9 @@ class Policy(ABC):
     name: str
 
     @abstractmethod
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]: ...
+    def draft_lengths(
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+    ) -> list[int]: ...
 
     @abstractmethod
     def choose_budget(self, drafts: Drafts) -> int: ...
@@ -39,7 +42,9 @@ class OffPolicy(Policy):
 
     name = "off"
 
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+    def draft_lengths(
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+    ) -> list[int]:
         return [0] * len(caps)
 
     def choose_budget(self, drafts: Drafts) -> int:
@@ -59,7 +64,9 @@ class FixedPolicy(Policy):
             raise ValueError(f"k={k}: the fixed policy needs k >= 1")
         self.k = k
 
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+    def draft_lengths(
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+    ) -> list[int]:
         return [min(self.k, c) for c in caps]
 
     def choose_budget(self, drafts: Drafts) -> int:

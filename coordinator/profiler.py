@@ -1,16 +1,25 @@
-"""Profile the cost model on the real models (start-up or `dspark profile`)."""
+"""Profile the cost model on the real models (start-up or `dspark profile`).
+
+Two profiles: `profile_workers` times the verbs the engine really calls (the target runner's
+`verify`, forward and acceptance, and the proposer's `propose` rounds, greedy and sampling) and
+is what the engine uses; `profile` times bare model forwards (verify and one draft position),
+a cheaper approximation for tools that have models but no workers.
+"""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from dspark.coordinator.cost_model import CostModel, cache_key, hardware_key, median_time, monotone
+from dspark.messages import DraftQuery, NewRequest, VerifyPlan
 from dspark.models.decoder import DecoderLM
 from dspark.models.kv_cache import PagedKVCache
+from dspark.sampling_params import SamplingParams
 
 VERIFY_BLOCK = 8  # tokens per request in a profiled verify batch (anchor + 7 drafts)
 
@@ -60,15 +69,150 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-def load_or_profile(target_dir: str | Path, drafter_dir: str | Path | None, target: DecoderLM,
-                    drafter: DecoderLM | None, cache_dir: str | Path, **kwargs: int) -> CostModel:
-    """The persisted profile for these models on this hardware, measured once if missing."""
+PROFILE_VERSION = "workers-v1"  # part of the cache key: a new method never reads old files
+CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
+DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
+
+
+def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: int = 64,
+                    context: int = 256, repeats: int = 5, key: str = "") -> CostModel:
+    """Time the engine's own verbs on scratch requests (released afterwards).
+
+    verify[B-1]: `target.verify` of B tokens (requests of anchor + 7 drafts, the last shorter)
+    after `context` cached tokens, acceptance included. For a proposer that drafts one position
+    per forward (`sequential_drafts`), a round over n requests is timed with 1 and DRAFT_SPAN
+    positions after CATCH_UP new committed tokens, greedy and at temperature 1:
+    draft_first = t(1), draft = (t(DRAFT_SPAN) - t(1)) / (DRAFT_SPAN - 1). Draft sizes are
+    measured on a grid and interpolated; every table is made monotone.
+    """
+    vocab = target.config.vocab_size
+    rng = torch.Generator().manual_seed(0)
+
+    def prompt() -> tuple[int, ...]:
+        return tuple(torch.randint(0, vocab, (context,), generator=rng).tolist())
+
+    verify = _profile_verify(target, prompt, b_max, context, repeats)
+    tables: dict[str, tuple[float, ...]] = {}
+    if proposer is not None and getattr(proposer, "sequential_drafts", False):
+        for sampled in (False, True):
+            first, each = _profile_rounds(proposer, prompt, n_max, repeats, sampled, vocab)
+            suffix = "_sampled" if sampled else ""
+            tables["draft_first" + suffix], tables["draft" + suffix] = first, each
+    meta = {"hardware": hardware_key(), "context": str(context), "repeats": str(repeats),
+            "torch": torch.__version__, "method": PROFILE_VERSION}
+    return CostModel(key or hardware_key(), verify, meta=meta, **tables)
+
+
+def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats: int
+                    ) -> tuple[float, ...]:
+    num = math.ceil(b_max / VERIFY_BLOCK)
+    ids = [f"__profile-verify-{i}" for i in range(num)]
+    prompts = [prompt() for _ in ids]
+    greedy = SamplingParams(temperature=0)
+    try:
+        for i, r in enumerate(ids):
+            target.add_request(NewRequest(r, prompts[i], greedy, seed=i))
+        target.verify(_plan(ids, [0] * num, prompts, [0] * num))  # prefill
+        target.rollback({r: context - 1 for r in ids})  # the last prompt token is the anchor
+        times = []
+        for b in tqdm(range(1, b_max + 1), desc="profile verify", unit="B"):
+            shape = verify_shape(b)
+            sub = ids[: len(shape)]
+            inputs = [p[-1:] + tuple(range(1, n)) for p, n in zip(prompts, shape)]
+            plan = _plan(sub, [context - 1] * len(sub), inputs, [n - 1 for n in shape])
+
+            def run(plan: VerifyPlan = plan, sub: list[str] = sub) -> None:
+                target.verify(plan)
+                target.rollback({r: context - 1 for r in sub})
+
+            times.append(median_time(run, repeats))
+    finally:
+        for r in ids:
+            target.release(r)
+    return monotone(times)
+
+
+def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_draft: list[int]
+          ) -> VerifyPlan:
+    width = max(num_draft, default=0)
+    drafts = torch.full((len(ids), width), -1, dtype=torch.long)  # [num_reqs, max_draft]
+    for i, (toks, n) in enumerate(zip(inputs, num_draft)):
+        if n:
+            drafts[i, :n] = torch.tensor(toks[-n:])
+    return VerifyPlan(tuple(ids), tuple(starts), tuple(inputs), tuple(num_draft), drafts, None,
+                      sum(num_draft))
+
+
+def draft_grid(n_max: int) -> list[int]:
+    """Batch sizes a drafting round is timed at: 1..8, then about 1.5x apart, and n_max."""
+    sizes, n = list(range(1, min(8, n_max) + 1)), 8
+    while n < n_max:
+        n = min(n_max, max(n + 1, round(n * 1.5)))
+        sizes.append(n)
+    return sizes
+
+
+def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sampled: bool,
+                    vocab: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    params = SamplingParams(temperature=1.0 if sampled else 0.0)
+    tag = "sampled" if sampled else "greedy"
+    ids = [f"__profile-draft-{tag}-{i}" for i in range(n_max)]
+    grid = draft_grid(n_max)
+    first, each = [], []
+    try:
+        for i, r in enumerate(ids):
+            proposer.add_request(NewRequest(r, (), params, seed=i))
+        proposer.propose([DraftQuery(r, prompt(), 1) for r in ids])  # prefill the context
+        for r in ids:
+            proposer.commit(r, 0)
+        for n in tqdm(grid, desc=f"profile draft ({tag})", unit="size"):
+            t1, tn = (median_time(_round(proposer, ids[:n], k, vocab), repeats)
+                      for k in (1, DRAFT_SPAN))
+            first.append(t1)
+            each.append(max(0.0, (tn - t1) / (DRAFT_SPAN - 1)))
+    finally:
+        for r in ids:
+            proposer.release(r)
+    return monotone(_interpolate(grid, first)), monotone(_interpolate(grid, each))
+
+
+def _round(proposer: Any, ids: list[str], positions: int, vocab: int) -> Any:
+    def run() -> None:
+        proposer.propose([DraftQuery(r, tuple(range(CATCH_UP)), positions) for r in ids])
+        for r in ids:
+            proposer.commit(r, 0)
+
+    return run
+
+
+def _interpolate(grid: list[int], values: list[float]) -> list[float]:
+    """Values at 1..grid[-1], linear between the measured sizes."""
+    out = []
+    for n in range(1, grid[-1] + 1):
+        hi = next(i for i, g in enumerate(grid) if g >= n)
+        if grid[hi] == n or hi == 0:
+            out.append(values[hi])
+            continue
+        lo = hi - 1
+        w = (n - grid[lo]) / (grid[hi] - grid[lo])
+        out.append(values[lo] + w * (values[hi] - values[lo]))
+    return out
+
+
+def load_or_profile(target_dir: str | Path, drafter_dir: str | Path | None, target: Any,
+                    proposer: Any | None, cache_dir: str | Path, layout: str = "local",
+                    **kwargs: int) -> CostModel:
+    """The persisted worker profile for these models, this hardware and this worker `layout`
+    (in-process or a Ray TP degree), measured once if missing.
+
+    `target` is the target worker, `proposer` the proposer whose drafting rounds are timed (None:
+    drafting costs nothing that grows with positions)."""
     dirs = [target_dir] + ([drafter_dir] if drafter_dir is not None else [])
-    key = cache_key(dirs)
+    key = f"{cache_key(dirs)}-{layout}-{PROFILE_VERSION}"
     path = Path(cache_dir) / f"{key}.json"
     if path.exists():
         return CostModel.load(path)
-    model = profile(target, drafter, key=key, **kwargs)
+    model = profile_workers(target, proposer, key=key, **kwargs)
     model.save(path)
     return model
 
@@ -84,11 +228,17 @@ def plot(cost: CostModel, path: str | Path) -> Path:
     axes[0].set_xlabel("verify tokens B")
     axes[0].set_ylabel("ms per pass")
     axes[0].set_title("target verify step")
+    for name, style in (("draft_first", "-"), ("draft", "--"), ("draft_first_sampled", "-"),
+                        ("draft_sampled", "--")):
+        table = getattr(cost, name)
+        if table:
+            axes[1].plot(range(1, len(table) + 1), [t * 1e3 for t in table], style,
+                         label=name.replace("_", " "))
     if cost.draft:
-        axes[1].plot(range(1, len(cost.draft) + 1), [t * 1e3 for t in cost.draft])
+        axes[1].legend(fontsize=7)
     axes[1].set_xlabel("requests")
-    axes[1].set_ylabel("ms per draft position")
-    axes[1].set_title("draft forward (one position)")
+    axes[1].set_ylabel("ms")
+    axes[1].set_title("drafting round: first position, each further one")
     fig.suptitle(cost.key, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

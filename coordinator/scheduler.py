@@ -88,11 +88,12 @@ class BudgetedPolicy(Policy):
         self._global_history: deque[torch.Tensor] = deque(maxlen=STALE_STEPS)
         self._budget = 0
         self._planned: list[int] | None = None
+        self._sampled = False  # this step's batch samples: drafting costs the sampled tables
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int]) -> float:
         positions = max(counts, default=0) if self.sequential_drafts else (1 if num_reqs else 0)
-        return self.cost.step_time(num_reqs + sum(counts), num_reqs, positions)
+        return self.cost.step_time(num_reqs + sum(counts), num_reqs, positions, self._sampled)
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
         """K maximising (R + Σ top-K a) / step_time, a global argmax over K (the smallest K on
@@ -107,7 +108,7 @@ class BudgetedPolicy(Policy):
             positions = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         else:
             positions = torch.full_like(ks, 1 if num_reqs else 0)
-        times = self.cost.step_times(num_reqs + ks, num_reqs, positions)
+        times = self.cost.step_times(num_reqs + ks, num_reqs, positions, self._sampled)
         return int(torch.argmax(tokens / times))
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
@@ -134,9 +135,12 @@ class BudgetedPolicy(Policy):
             self._global_history.append(padded.mean(dim=0))
 
     # --- the Policy interface ------------------------------------------------------------------
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+    def draft_lengths(
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+    ) -> list[int]:
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
+        self._sampled = sampled
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)

@@ -119,11 +119,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_profile(a: argparse.Namespace) -> int:
     from dspark.coordinator.engine import Engine
-    from dspark.coordinator.profiler import plot, profile
+    from dspark.coordinator.profiler import plot, profile_workers
 
     engine = Engine(target=a.target, proposer="draft-model", drafter=a.drafter, policy="fixed")
-    cost = profile(engine.target.model, engine.proposer.model, b_max=a.b_max, n_max=a.n_max,
-                   repeats=a.repeats)
+    cost = profile_workers(engine.target, engine.proposer, b_max=a.b_max, n_max=a.n_max,
+                           repeats=a.repeats)
     out = Path(a.out)
     cost.save(out / "cost_model.json")
     plot(cost, out / "cost_model.png")

@@ -16,7 +16,9 @@ class RandomPolicy(Policy):
     def __init__(self, rng: random.Random, k: int) -> None:
         self.rng, self.k = rng, k
 
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+    def draft_lengths(
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+    ) -> list[int]:
         return [self.rng.randint(0, min(self.k, c)) for c in caps]
 
     def choose_budget(self, drafts: Drafts) -> int:

@@ -36,7 +36,9 @@ class LookAheadPolicy(Policy):
 
     name = "look-ahead"
 
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...]) -> list[int]:
+    def draft_lengths(
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+    ) -> list[int]:
         return [min(2, c) for c in caps]
 
     def choose_budget(self, drafts: Drafts) -> int:

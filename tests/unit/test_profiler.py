@@ -1,0 +1,81 @@
+"""The cost model's profile of the real worker verbs, its tables' meaning and its cache.
+
+Timings themselves are never asserted (the machine is shared); the structure is: one entry per
+size, monotone, positive, persisted and reloaded exactly, scratch requests released."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.profiler import PROFILE_VERSION, draft_grid, load_or_profile, profile_workers
+from dspark.draft_worker.draft_model import DraftModelProposer
+from dspark.target_worker.runner import TargetRunner
+
+TABLES = ("draft_first", "draft", "draft_first_sampled", "draft_sampled")
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_pair, one_thread):
+    target_dir, drafter_dir = tiny_pair
+    return TargetRunner(target_dir, num_blocks=128), DraftModelProposer(drafter_dir, num_blocks=128)
+
+
+def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(workers) -> None:
+    target, proposer = workers
+    cost = profile_workers(target, proposer, b_max=12, n_max=5, context=20, repeats=1)
+    assert len(cost.verify) == 12
+    for name in ("verify",) + TABLES:
+        table = getattr(cost, name)
+        assert len(table) == (12 if name == "verify" else 5), name
+        assert all(t > 0 for t in table) or name in ("draft", "draft_sampled"), name
+        assert all(a <= b for a, b in zip(table, table[1:])), f"{name} is not monotone"
+    assert cost.meta["method"] == PROFILE_VERSION
+    assert target.usage() == {"requests": [], "used_blocks": 0}
+    assert proposer.usage() == {"requests": [], "used_blocks": 0}
+
+
+def test_proposer_without_sequential_drafts_gets_no_draft_tables(workers) -> None:
+    cost = profile_workers(workers[0], None, b_max=3, n_max=2, context=8, repeats=1)
+    assert len(cost.verify) == 3 and all(getattr(cost, n) == () for n in TABLES)
+    assert cost.draft_time(4, 3) == 0.0
+
+
+def test_drafting_round_cost_first_position_then_each_and_sampled_tables() -> None:
+    cost = CostModel("t", verify=(1.0, 2.0), draft=(0.1, 0.2), draft_first=(0.5, 0.6),
+                     draft_sampled=(0.3, 0.4), draft_first_sampled=(0.9, 1.0))
+    assert cost.draft_time(2, 0) == 0.0
+    assert cost.draft_time(2, 1) == pytest.approx(0.6)
+    assert cost.draft_time(2, 3) == pytest.approx(0.6 + 2 * 0.2)
+    assert cost.draft_time(1, 3, sampled=True) == pytest.approx(0.9 + 2 * 0.3)
+    n, pos = torch.tensor([1, 2, 3, 5]), torch.tensor([0, 1, 2, 4])
+    for sampled in (False, True):
+        expected = [cost.step_time(int(b), 2, int(p), sampled) for b, p in zip(n, pos)]
+        assert cost.step_times(n, 2, pos, sampled).tolist() == pytest.approx(expected)
+    # A forward-only profile (no draft_first) keeps the old meaning: positions x per position.
+    old = CostModel("t", verify=(1.0,), draft=(0.1, 0.2))
+    assert old.draft_time(2, 3) == pytest.approx(0.6)
+    assert old.draft_time(2, 3, sampled=True) == pytest.approx(0.6)
+
+
+def test_profile_persists_reloads_and_is_cached_per_layout(workers, tiny_pair, tmp_path) -> None:
+    target, proposer = workers
+    target_dir, drafter_dir = tiny_pair
+    kwargs = dict(b_max=4, n_max=3, context=8, repeats=1)
+    first = load_or_profile(target_dir, drafter_dir, target, proposer, tmp_path, **kwargs)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and "local" in files[0].name and PROFILE_VERSION in files[0].name
+    assert CostModel.load(files[0]) == first
+    again = load_or_profile(target_dir, drafter_dir, target, proposer, tmp_path, **kwargs)
+    assert again == first  # read back, not measured again (timings would differ)
+    load_or_profile(target_dir, drafter_dir, target, proposer, tmp_path, layout="TargetGroup-tp2",
+                    **kwargs)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_draft_grid_covers_small_sizes_and_ends_at_n_max() -> None:
+    for n_max in (1, 5, 8, 9, 64, 100):
+        grid = draft_grid(n_max)
+        assert grid[: min(8, n_max)] == list(range(1, min(8, n_max) + 1))
+        assert grid[-1] == n_max and grid == sorted(set(grid))
