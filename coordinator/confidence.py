@@ -36,17 +36,17 @@ class _Queue:
 
     def __init__(self, window: int) -> None:
         self.outcomes: deque[int] = deque(maxlen=window)
+        self.accepted = 0  # sum of `outcomes`, kept as they enter and leave the window
 
     def add(self, accepted: bool) -> None:
+        if len(self.outcomes) == self.outcomes.maxlen:
+            self.accepted -= self.outcomes[0]
         self.outcomes.append(int(accepted))
+        self.accepted += int(accepted)
 
     @property
     def reached(self) -> int:
         return len(self.outcomes)
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.outcomes)
 
 
 class AcceptanceTracker:
@@ -56,26 +56,31 @@ class AcceptanceTracker:
         self._requests: dict[str, list[_Queue]] = {}
         self._request_window = request_window
 
-    def global_rates(self) -> torch.Tensor:  # [max_draft]
-        return torch.tensor([
+    def _global_list(self) -> list[float]:
+        return [
             (q.accepted + GLOBAL_PRIOR_WEIGHT * PRIOR_MEAN) / (q.reached + GLOBAL_PRIOR_WEIGHT)
             for q in self._global
-        ], dtype=torch.float64)
+        ]
+
+    def global_rates(self) -> torch.Tensor:  # [max_draft]
+        return torch.tensor(self._global_list(), dtype=torch.float64)
 
     def rates(self, req_ids: tuple[str, ...] | list[str]) -> torch.Tensor:  # [num_reqs, max_draft]
-        g = self.global_rates()
+        # Plain floats, one tensor at the end: this runs every step over every request.
+        g = self._global_list()
         rows = []
         for r in req_ids:
             queues = self._requests.get(r)
             if queues is None:
                 rows.append(g)
                 continue
-            acc = torch.tensor([q.accepted for q in queues], dtype=torch.float64)
-            n = torch.tensor([q.reached for q in queues], dtype=torch.float64)
-            rows.append((acc + REQUEST_PRIOR_WEIGHT * g) / (n + REQUEST_PRIOR_WEIGHT))
+            rows.append([
+                (q.accepted + REQUEST_PRIOR_WEIGHT * gj) / (q.reached + REQUEST_PRIOR_WEIGHT)
+                for q, gj in zip(queues, g)
+            ])
         if not rows:
             return torch.zeros(0, self.max_draft, dtype=torch.float64)
-        return torch.stack(rows)
+        return torch.tensor(rows, dtype=torch.float64)
 
     def fill(self, drafts: Drafts) -> Drafts:
         """Drafts with confidences: the proposer's own if it has a head, else tracked rates."""

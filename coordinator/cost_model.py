@@ -16,6 +16,7 @@ a round at temperature > 0 costs more. A profile of the real worker verbs
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -73,11 +74,15 @@ class CostModel:
         sampled: bool = False,
     ) -> torch.Tensor:  # [n] float64
         """`step_time` for many verify sizes at once (num_tokens, draft_positions: [n] int)."""
-        verify = _lookup_many(self.verify, num_tokens)
+        verify = _lookup_many(self._verify_tensor, num_tokens)
         first, each = self._draft_costs(num_reqs, sampled)
         positions = draft_positions.clamp(min=0).to(torch.float64)
         drafting = torch.where(positions > 0, first + (positions - 1) * each, 0.0)
         return verify + drafting
+
+    @functools.cached_property
+    def _verify_tensor(self) -> torch.Tensor:  # [B_max] float64, built once (frozen tables)
+        return torch.tensor(self.verify, dtype=torch.float64)
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -115,13 +120,14 @@ def _lookup(table: tuple[float, ...], n: int) -> float:
     return table[-1] + slope * (n - len(table))
 
 
-def _lookup_many(table: tuple[float, ...], n: torch.Tensor) -> torch.Tensor:
+def _lookup_many(table: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """`_lookup` over a tensor of sizes (the same extrapolation past the table)."""
-    t = torch.tensor(table, dtype=torch.float64)
-    slope = (table[-1] - table[0]) / max(1, len(table) - 1)
-    inside = t[(n.clamp(1, len(table)) - 1)]
-    beyond = table[-1] + slope * (n - len(table)).to(torch.float64)
-    return torch.where(n <= 0, 0.0, torch.where(n <= len(table), inside, beyond))
+    size = table.shape[0]
+    last = float(table[-1])
+    slope = (last - float(table[0])) / max(1, size - 1)
+    inside = table[(n.clamp(1, size) - 1)]
+    beyond = last + slope * (n - size).to(torch.float64)
+    return torch.where(n <= 0, 0.0, torch.where(n <= size, inside, beyond))
 
 
 def monotone(values: list[float]) -> tuple[float, ...]:
