@@ -119,7 +119,8 @@ def test_load_every_admitted_request_completes_none_lost(
         attempt = 0
         while not await one(ac, job, attempt):
             attempt += 1
-            await asyncio.sleep(rng.uniform(0.05, 0.3) * min(attempt, 4))  # backoff, jittered
+            # Exponential backoff with jitter, capped at 2 s (what well-behaved clients do).
+            await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * rng.uniform(0.5, 1.5))
         return attempt
 
     async def watch(stop: asyncio.Event) -> None:
