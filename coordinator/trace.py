@@ -23,7 +23,8 @@ File format (JSON lines, UTF-8): the first line is a header object, every furthe
 Example:
     >>> import io, json
     >>> rec = TraceRecorder(meta={"proposer": "ngram"})
-    >>> rec.steps.append(StepTrace(1, 0.0, 0.01, 2, ("r",), (3,), (1,), (2,), (2,), (1,), (2,), (0,), None))
+    >>> step = StepTrace(1, 0.0, 0.01, 2, ("r",), (3,), (1,), (2,), (2,), (1,), (2,), (0,), None)
+    >>> rec.steps.append(step)
     >>> buf = io.StringIO(); rec.write(buf); _ = buf.seek(0)
     >>> read_trace(buf).steps[0].accepted
     (1,)
@@ -123,8 +124,8 @@ class Trace:
                 row["a"].append(s.accepted[i])
                 row["c"].append(s.committed[i])
                 row["conf"].append(None if s.confidences is None else s.confidences[i])
-        return [RequestTrace(r, prompts[r], tuple(v["d"]), tuple(v["l"]), tuple(v["a"]), tuple(v["c"]),
-                             tuple(v["conf"])) for r, v in acc.items()]
+        return [RequestTrace(r, prompts[r], tuple(v["d"]), tuple(v["l"]), tuple(v["a"]),
+                             tuple(v["c"]), tuple(v["conf"])) for r, v in acc.items()]
 
     def tokens_per_second(self) -> float:
         """Committed tokens over the summed step time (the engine's busy time)."""
@@ -157,7 +158,7 @@ class TraceRecorder:
             conf = tuple(tuple(round(float(x), 4) for x in row)
                          for row in drafts.confidences.tolist())
         num_input, new = [], []
-        for s, ell in zip(state.requests, planned):
+        for s, ell in zip(state.requests, planned, strict=True):
             before = s.target_length + 1 - len(s.committed)  # committed tokens before the step
             is_new = s.req_id not in self._seen
             self._seen.add(s.req_id)

@@ -113,7 +113,7 @@ class TraceReplay:
             raise ValueError("trace has no steps to replay")
         reached, accepted = np.zeros(self.gamma), np.zeros(self.gamma)
         for r in self.requests:
-            for ell, a in zip(r.planned, r.accepted):
+            for ell, a in zip(r.planned, r.accepted, strict=True):
                 for j in range(min(ell, a + 1, self.gamma)):
                     reached[j] += 1
                     accepted[j] += j < a

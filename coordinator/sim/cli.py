@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-mean", type=float, default=256)
     p.add_argument("--trace", default=None,
                    help="replay acceptance and lengths from a trace (coordinator/trace.py)")
+    p.add_argument("--head-noise", type=float, default=0.5,
+                   help="σ of the confidence head's logit error (per-position model)")
     p.add_argument("--draft-model", action="store_true",
                    help="sequential draft model without a confidence head (default: DSpark "
                         "block drafter with a head)")
@@ -94,7 +96,8 @@ def run(a: argparse.Namespace) -> dict[str, list[dict]]:
                           overhead_s=a.overhead_ms / 1e3, duration_s=a.duration, seed=a.seed,
                           progress=False)
         acc = (TraceReplay(trace, a.gamma, has_head=not a.draft_model) if trace is not None
-               else PositionModel(gamma=a.gamma, has_head=not a.draft_model))
+               else PositionModel(gamma=a.gamma, sigma_head=a.head_noise,
+                                  has_head=not a.draft_model))
         wl = workload_for(a, load)
         summary = summarize(simulate(cfg, wl, acc, trace=trace))
         curves.setdefault(policy, []).append({"load": load, **summary})

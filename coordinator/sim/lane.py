@@ -125,7 +125,8 @@ class Lane:
         self._lengths = self.policy.draft_lengths(caps, ids)
         self._block = block_of([x.acc_state for x in self._reqs])
         if self._block.max_drafts is not None:
-            self._lengths = [min(n, int(m)) for n, m in zip(self._lengths, self._block.max_drafts)]
+            caps = self._block.max_drafts.tolist()
+            self._lengths = [min(n, m) for n, m in zip(self._lengths, caps, strict=True)]
         self._planned = None
         if isinstance(self.policy, OraclePolicy):
             # The oracle knows c* before drafting: it drafts only what it will verify.
@@ -157,7 +158,7 @@ class Lane:
             self._plan(tuple(x.rid for x in self._reqs))
         assert self._planned is not None
         self._num_tokens = sum((1 if x.prefilled else x.req.prompt_len) + ell
-                               for x, ell in zip(self._reqs, self._planned))
+                               for x, ell in zip(self._reqs, self._planned, strict=True))
         self.prefill_tokens = sum(x.req.prompt_len - 1 for x in self._reqs if not x.prefilled)
         return self._num_tokens
 
@@ -168,7 +169,8 @@ class Lane:
         accepted = self._block.accepted(planned)
         expected = self._block.expected_accepted(planned)
         steps, finished, committed_total = [], [], 0
-        for x, drafted, ell, a in zip(self._reqs, self._lengths, self._planned, accepted.tolist()):
+        rows = zip(self._reqs, self._lengths, self._planned, accepted.tolist(), strict=True)
+        for x, drafted, ell, a in rows:
             committed = min(a + 1, x.req.output_len - x.output)
             x.output += committed
             committed_total += committed

@@ -65,8 +65,9 @@ class Workload:
         if self.kind in ("poisson", "bursty") and self.rate <= 0:
             raise ValueError(f"rate={self.rate}: must be > 0")
         if self.kind == "bursty" and not 0 < self.burst_fraction * self.burst_factor < 1:
-            raise ValueError(f"burst_factor·burst_fraction={self.burst_factor * self.burst_fraction}"
-                             ": must be in (0, 1) to keep the quiet state's rate positive")
+            share = self.burst_factor * self.burst_fraction
+            raise ValueError(f"burst_factor·burst_fraction={share}: must be in (0, 1) to keep "
+                             "the quiet state's rate positive")
 
     def requests(self, seed: int = 0, trace: Trace | None = None) -> list[SimRequest]:
         """The stream, in arrival order (closed loop: arrival 0 for the first `clients`)."""

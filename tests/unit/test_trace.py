@@ -31,7 +31,7 @@ def test_trace_matches_what_the_engine_committed(recorded) -> None:
         assert req.output_len == len(out.token_ids)
         assert req.prompt_len == len(out.prompt_ids)
         assert len(req.planned) == out.stats["target_passes"]
-        assert all(a <= ell <= 3 for a, ell in zip(req.accepted, req.planned))
+        assert all(a <= ell <= 3 for a, ell in zip(req.accepted, req.planned, strict=True))
     for s in trace.steps:
         # B = Σ (uncached committed + ℓ): a prompt on the first step, the anchor afterwards.
         assert s.num_tokens == sum(s.num_input) >= len(s.req_ids) + sum(s.planned)
@@ -45,7 +45,7 @@ def test_trace_round_trip_through_a_file(recorded, tmp_path) -> None:
     back = read_trace(path)
     assert back.meta == rec.meta
     assert len(back.steps) == len(rec.steps)
-    for a, b in zip(back.steps, rec.steps):
+    for a, b in zip(back.steps, rec.steps, strict=True):
         assert (a.req_ids, a.num_input, a.new, a.planned, a.accepted, a.committed, a.finished) == (
             b.req_ids, b.num_input, b.new, b.planned, b.accepted, b.committed, b.finished)
         assert a.seconds == pytest.approx(b.seconds, abs=1e-6)
