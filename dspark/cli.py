@@ -146,12 +146,6 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return simulate_main(a)
 
 
-def cmd_simulate(a: argparse.Namespace) -> int:
-    from dspark.coordinator.sim.cli import main as simulate_main
-
-    return simulate_main(a)
-
-
 def cmd_demo_path(a: argparse.Namespace) -> int:
     from dspark.demo import demo_path
 
@@ -290,12 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/profile")
     p.set_defaults(fn=cmd_profile)
-
-    p = sub.add_parser("simulate", help="simulate a fleet: policies across load (docs/scale.md)")
-    from dspark.coordinator.sim.cli import add_arguments as simulate_arguments
-
-    simulate_arguments(p)
-    p.set_defaults(fn=cmd_simulate)
 
     p = sub.add_parser("simulate", help="simulate a fleet: policies across load (docs/scale.md)")
     from dspark.coordinator.sim.cli import add_arguments as simulate_arguments
