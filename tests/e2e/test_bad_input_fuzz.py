@@ -1,5 +1,6 @@
 """Bad input over gRPC, fuzzed (issue 7, item 1): every malformed or out-of-limit request gets
-its precise status and a message naming the field and value; the server keeps serving.
+its precise status and a message naming the field and value; the server keeps serving (a
+bystander client's greedy requests, sent back to back throughout, all come back exact).
 
 Requests go out as raw bytes through a channel method with an identity serializer, so the fuzz
 can send what the SDK never would: bad UTF-8, truncated messages, oversized ones. Each example
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from dspark.coordinator.engine import Engine
 from dspark.coordinator.limits import MIN_TEMPERATURE, Limits
 from dspark.coordinator.server import Server
 from dspark.protos import dspark_pb2 as pb
+from dspark.sampling_params import SamplingParams
 
 VOCAB = 4096  # the demo target's
 MAX_PROMPT_TOKENS = 128
@@ -78,8 +81,53 @@ def server(engine_kwargs) -> Iterator[Server]:
     srv.stop()
 
 
+class Bystander(threading.Thread):
+    """A well-behaved client sending greedy requests back to back while the fuzz runs; each
+    answer must be the in-process engine's."""
+
+    def __init__(self, address: str, cases: list, params: SamplingParams) -> None:
+        super().__init__(daemon=True)
+        self.address, self.cases, self.params = address, cases, params
+        self.stop = threading.Event()
+        self.served = 0
+        self.wrong: list[str] = []
+
+    def run(self) -> None:
+        with dspark.Client(self.address, timeout=60) as client:
+            while not self.stop.is_set():
+                prompt, ref = self.cases[self.served % len(self.cases)]
+                try:
+                    out = client.generate(prompt, self.params)
+                except errors.DSparkError as e:
+                    self.wrong.append(f"request {self.served}: {e}")
+                    return
+                if out.token_ids != ref.token_ids:
+                    self.wrong.append(f"request {self.served}: {out.token_ids} != {ref.token_ids}")
+                self.served += 1
+
+
+def _fitting(prompts, reference) -> list:
+    """(prompt, reference result) pairs whose prompt fits MAX_PROMPT_TOKENS."""
+    fits = [
+        (p, r)
+        for p, r in zip(prompts, reference, strict=True)
+        if len(r.prompt_ids) <= MAX_PROMPT_TOKENS
+    ]
+    assert len(fits) >= 3
+    return fits
+
+
 @pytest.fixture(scope="module")
-def raw_generate(server: Server) -> Iterator:
+def bystander(server: Server, prompts, reference, greedy) -> Iterator[Bystander]:
+    b = Bystander(server.address, _fitting(prompts, reference), greedy)
+    b.start()
+    yield b
+    b.stop.set()
+    b.join(60)
+
+
+@pytest.fixture(scope="module")
+def raw_generate(server: Server, bystander: Bystander) -> Iterator:
     with grpc.insecure_channel(server.address) as channel:
         # No request serializer: the bytes go out exactly as the case made them.
         yield channel.unary_stream(
@@ -383,16 +431,16 @@ def test_fuzzed_requests_get_precise_statuses(server: Server, raw_generate, kind
 
 
 def test_server_serves_correctly_after_the_fuzz(
-    server: Server, raw_generate, prompts, reference, greedy
+    server: Server, bystander: Bystander, prompts, reference, greedy
 ) -> None:
-    """Runs after the fuzz (same module server): output still the in-process engine's, health
-    SERVING, the engine never failed, and no request left state anywhere."""
-    fits = [
-        (p, r)
-        for p, r in zip(prompts, reference, strict=True)
-        if len(r.prompt_ids) <= MAX_PROMPT_TOKENS
-    ][:3]
-    assert len(fits) == 3
+    """Runs after the fuzz (same module server): the bystander was served correctly all
+    along, output is still the in-process engine's, health SERVING, the engine never failed,
+    and no request left state anywhere."""
+    bystander.stop.set()
+    bystander.join(60)
+    assert not bystander.is_alive() and not bystander.wrong, bystander.wrong[:3]
+    assert bystander.served >= 3, f"only {bystander.served} bystander requests during the fuzz"
+    fits = _fitting(prompts, reference)[:3]
     with dspark.Client(server.address, timeout=60) as client:
         outs = [client.generate(p, greedy) for p, _ in fits]
         info = client.model_info()
