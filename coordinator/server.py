@@ -35,7 +35,7 @@ import importlib.metadata
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -65,10 +65,16 @@ class DSparkServicer(pb_grpc.DSparkServicer):
     """
 
     def __init__(
-        self, loop: EngineLoop, info: pb.ModelInfo, checker: RequestChecker, max_in_flight: int
+        self,
+        loop: EngineLoop,
+        info: pb.ModelInfo,
+        checker: RequestChecker,
+        max_in_flight: int,
+        encode: Callable[[str], Sequence[int]],
     ) -> None:
         self._loop = loop
         self._info = info
+        self._encode = encode  # the target's tokenizer: stateless, safe on any thread
         self._checker = checker
         self._max_in_flight = max_in_flight
         self._in_flight = 0
@@ -142,8 +148,7 @@ class DSparkServicer(pb_grpc.DSparkServicer):
         """Token ids of the prompt, checked; text is tokenised off the engine-loop thread."""
         if not isinstance(prompt, str):
             return prompt
-        tokenizer = self._loop.engine.tokenizer
-        ids = tuple(await asyncio.to_thread(tokenizer.encode, prompt))
+        ids = tuple(await asyncio.to_thread(self._encode, prompt))
         try:
             self._checker.check_prompt(ids, "text")
         except DSparkError as e:
@@ -263,6 +268,7 @@ class Server:
         self.limits = limits if limits is not None else Limits()
         self.security = security if security is not None else ServerSecurity()
         self.checker = RequestChecker.for_engine(self.limits, engine)
+        self._encode = engine.tokenizer.encode
         self._info = pb.ModelInfo()
         self._info.CopyFrom(info if info is not None else model_info(engine))
         self._info.max_prompt_tokens = self.checker.max_prompt_tokens
@@ -334,7 +340,7 @@ class Server:
             options=[("grpc.max_receive_message_length", self.limits.max_message_bytes)],
         )
         self.servicer = DSparkServicer(
-            self.loop, self._info, self.checker, self.limits.max_in_flight
+            self.loop, self._info, self.checker, self.limits.max_in_flight, self._encode
         )
         add_dspark_service(self.servicer, server)
         self._health = health_aio.HealthServicer()
