@@ -72,7 +72,8 @@ def authed(token_file: Path, engine_kwargs) -> Iterator[Service]:
 
 
 # --- bearer tokens ------------------------------------------------------------------------------
-def test_no_token_unauthenticated(authed: Service) -> None:
+def test_no_token_unauthenticated(authed: Service, monkeypatch) -> None:
+    monkeypatch.delenv("DSPARK_AUTH_TOKEN", raising=False)  # the SDK's default token
     with dspark.Client(authed.address, timeout=30, token=None) as client:
         with pytest.raises(errors.Unauthenticated) as e:
             client.generate("import os\n", PARAMS)
