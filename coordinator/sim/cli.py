@@ -58,9 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lanes", type=int, default=0,
                    help="batch loops per replica (default: 2 with a pool, else 1)")
     p.add_argument("--overhead-ms", type=float, default=0.0, help="CPU time per step")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="prompt tokens admitted per step and replica lane (0: no limit)")
     p.add_argument("--duration", type=float, default=None, help="stop at this simulated time (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/simulate")
+    p.add_argument("--name", default="simulate", help="file stem of the JSON and PNG in --out")
 
 
 def configs(a: argparse.Namespace) -> tuple[list[str], list[float]]:
@@ -94,6 +97,7 @@ def run(a: argparse.Namespace) -> dict[str, list[dict]]:
                           max_num_seqs=a.max_num_seqs, lanes=lanes, pool=pool,
                           sequential_drafts=a.draft_model, confidence_head=not a.draft_model,
                           overhead_s=a.overhead_ms / 1e3, duration_s=a.duration, seed=a.seed,
+                          max_prefill_tokens=a.max_prefill_tokens or None,
                           progress=False)
         acc = (TraceReplay(trace, a.gamma, has_head=not a.draft_model) if trace is not None
                else PositionModel(gamma=a.gamma, sigma_head=a.head_noise,
@@ -105,10 +109,11 @@ def run(a: argparse.Namespace) -> dict[str, list[dict]]:
     out = Path(a.out)
     meta = {k: v for k, v in vars(a).items() if k != "fn"}
     write_json({"args": meta, "cost_key": cost.key, "curves": curves,
-                "workload": asdict(workload_for(a, loads[0]))}, out / "simulate.json")
-    plot_load_curves(curves, out / "simulate.png",
-                     title=f"{a.gpu}, {a.replicas} replicas, γ={a.gamma}, {a.workload}")
-    print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
+                "workload": asdict(workload_for(a, loads[0]))}, out / f"{a.name}.json")
+    pool_note = f", draft pool {a.draft_pool} x {a.hop_ms} ms hop" if a.draft_pool else ""
+    plot_load_curves(curves, out / f"{a.name}.png",
+                     title=f"{a.gpu}, {a.replicas} replicas, γ={a.gamma}, {a.workload}{pool_note}")
+    print(f"wrote {out / (a.name + '.json')} and {out / (a.name + '.png')}")
     return curves
 
 

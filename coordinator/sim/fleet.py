@@ -73,6 +73,7 @@ class FleetConfig:
     # context of 256 per verify token.
     prefill: tuple[tuple[int, float], ...] = ()
     duration_s: float | None = None  # stop at this simulated time; None: when all finish
+    max_prefill_tokens: int | None = None  # prompt tokens admitted per step; None: all (engine)
     seed: int = 0
     progress: bool = True
 
@@ -194,7 +195,7 @@ def simulate(cfg: FleetConfig, workload: Workload, acceptance, trace=None) -> Si
             continue
         lane = fleet.lanes[arg]
         if kind == BEGIN:
-            lane.admit(fleet.queues[arg], start_state)
+            lane.admit(fleet.queues[arg], start_state, cfg.max_prefill_tokens)
             if not lane.running:
                 lane.busy = False
                 continue

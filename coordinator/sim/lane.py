@@ -111,9 +111,19 @@ class Lane:
     _num_tokens: int = 0
     prefill_tokens: int = 0  # of the planned pass's B: prompt tokens past each new one's first
 
-    def admit(self, queue: list[SimRequest], start_state) -> None:  # noqa: ANN001
+    def admit(self, queue: list[SimRequest], start_state,  # noqa: ANN001
+              max_prefill: int | None = None) -> None:
+        """Start queued requests up to `max_num_seqs`; with `max_prefill`, only as many new
+        prompts as fit that many tokens (at least one): chunked prefill, roughly."""
+        budget = max_prefill
+        admitted = 0
         while queue and len(self.running) < self.max_num_seqs:
+            if budget is not None and admitted and queue[0].prompt_len > budget:
+                break
             req = queue.pop(0)
+            admitted += 1
+            if budget is not None:
+                budget -= req.prompt_len
             rid = f"r{req.index}"
             self.running[rid] = Live(req, rid, start_state(req))
 
