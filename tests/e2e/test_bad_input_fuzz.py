@@ -149,9 +149,10 @@ def valid_params(draw: st.DrawFn) -> pb.SamplingParams:
     if draw(st.booleans()):
         msg.temperature = 0.0
     else:
-        msg.temperature = draw(st.floats(0.1, 2.0))
-        msg.top_k = draw(st.integers(0, 50))
-        msg.top_p = draw(st.floats(0.05, 1.0))
+        # Typical values and the extremes of each valid range: none may upset the engine.
+        msg.temperature = draw(st.floats(0.1, 2.0) | st.floats(MIN_TEMPERATURE, 1e308))
+        msg.top_k = draw(st.integers(0, 50) | st.integers(0, 2**63 - 1))
+        msg.top_p = draw(st.floats(0.05, 1.0) | st.floats(5e-324, 1.0))
         msg.seed = draw(st.integers(0, 2**63 - 1))
     msg.ignore_eos = draw(st.booleans())
     return msg
