@@ -76,12 +76,6 @@ class Unauthenticated(DSparkError):
     code = "UNAUTHENTICATED"
 
 
-class PermissionDenied(DSparkError):
-    """The caller is known but not allowed to make this call."""
-
-    code = "PERMISSION_DENIED"
-
-
 class Internal(DSparkError):
     """The server failed while serving the request; the message says how."""
 
@@ -98,7 +92,6 @@ _BY_CODE: dict[str, type[DSparkError]] = {
         Cancelled,
         ResourceExhausted,
         Unauthenticated,
-        PermissionDenied,
         Internal,
     )
 }

@@ -142,7 +142,6 @@ def test_status_mapping_of_new_codes() -> None:
     for code, cls in (
         ("OUT_OF_RANGE", errors.OutOfRange),
         ("UNAUTHENTICATED", errors.Unauthenticated),
-        ("PERMISSION_DENIED", errors.PermissionDenied),
     ):
         e = errors.from_status(code, "why")
         assert type(e) is cls and e.code == code and e.details == "why"
