@@ -42,9 +42,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from dspark.coordinator import profiler  # noqa: E402
 from dspark.coordinator.cost_model import CostModel, hardware_key, monotone  # noqa: E402
 from dspark.coordinator.engine import Engine  # noqa: E402
-from dspark.coordinator import profiler  # noqa: E402
 from dspark.coordinator.profiler import time_forward  # noqa: E402
 from dspark.coordinator.sim.acceptance import TraceReplay  # noqa: E402
 from dspark.coordinator.sim.fleet import FleetConfig, simulate  # noqa: E402
@@ -116,7 +116,8 @@ def fit_overhead(calib: list[tuple[float, Trace, CostModel, tuple]]) -> tuple[fl
     for cpu_tok_s, trace, cost, prefill in calib:
         tokens = sum(sum(s.committed) for s in trace.steps)
         in_flight = int(trace.meta["in_flight"])
-        predicted = tokens / predict(trace, cost, in_flight, (0.0, 0.0), prefill)["throughput_tok_s"]
+        simulated = predict(trace, cost, in_flight, (0.0, 0.0), prefill)["throughput_tok_s"]
+        predicted = tokens / simulated
         extra += tokens / cpu_tok_s - predicted
         request_steps += sum(len(s.req_ids) for s in trace.steps)
     return 0.0, max(0.0, extra / request_steps)
@@ -157,7 +158,8 @@ def local_profile(engine: Engine, traces: list[Trace], decoded: int, repeats: in
         for s in tr.steps:
             sizes.add(len(s.req_ids))
             if any(s.new):
-                prompt_lens += [n - ell for n, ell, new in zip(s.num_input, s.planned, s.new) if new]
+                rows = zip(s.num_input, s.planned, s.new, strict=True)
+                prompt_lens += [n - ell for n, ell, new in rows if new]
             else:
                 shapes.setdefault(s.num_tokens, list(s.num_input))
     target, drafter = engine.target.model, engine.proposer.model
