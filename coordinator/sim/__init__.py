@@ -7,5 +7,6 @@ Modules, each one concept:
 - `lane`: one batch loop driven by the engine's own policies (`make_policy`), plus `oracle`;
 - `fleet`: the discrete-event loop over replicas, their GPUs and a shared draft pool;
 - `report`: throughput, latency percentiles, load curves (JSON and PNG);
-- `cli`: `dspark simulate`.
+- `cli`: `dspark simulate`;
+- `scenarios`: the set-up sweeps of docs/scale.md (disaggregated drafting, the oracle gap).
 """

@@ -140,7 +140,7 @@ class _Fleet:
 
     def draft(self, lane: Lane, now: float, positions: int) -> float:
         """When the lane's drafts are ready (colocated: on its GPU; else on the pool)."""
-        n = len(lane._reqs)
+        n = lane.batch_size
         if positions <= 0:
             return now
         sequential = positions if self.cfg.sequential_drafts else 1
@@ -203,7 +203,7 @@ def simulate(cfg: FleetConfig, workload: Workload, acceptance, trace=None) -> Si
             fleet.push(fleet.draft(lane, now, positions), DRAFTED, arg)
         elif kind == DRAFTED:
             seconds = (step_compute(cfg, lane.verify_tokens(), lane.prefill_tokens) + cfg.overhead_s
-                       + cfg.overhead_per_req_s * len(lane._reqs))
+                       + cfg.overhead_per_req_s * lane.batch_size)
             fleet.push(fleet.gpu(lane.replica, now, seconds), COMMIT, arg)
         else:
             out = lane.commit(now)

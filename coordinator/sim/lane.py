@@ -111,6 +111,11 @@ class Lane:
     _num_tokens: int = 0
     prefill_tokens: int = 0  # of the planned pass's B: prompt tokens past each new one's first
 
+    @property
+    def batch_size(self) -> int:
+        """Requests in the step under way (between `begin` and `commit`)."""
+        return len(self._reqs)
+
     def admit(self, queue: list[SimRequest], start_state,  # noqa: ANN001
               max_prefill: int | None = None) -> None:
         """Start queued requests up to `max_num_seqs`; with `max_prefill`, only as many new
