@@ -188,3 +188,22 @@ def test_workload_rejects_bad_input() -> None:
     # ... and its gaps vary more than a Poisson process's (coefficient of variation 1).
     gaps = np.diff([r.arrival for r in runs[0]])
     assert gaps.std() / gaps.mean() > 1.1
+
+
+def test_seeded_runs_are_deterministic() -> None:
+    cfg = FleetConfig(cost=roofline_cost("h200"), policy="confidence", gamma=5, replicas=2,
+                      max_num_seqs=32, seed=7, progress=False)
+    wl = Workload(kind="poisson", num_requests=120, rate=200.0, prompt_mean=64, output_mean=32)
+    a, b = (simulate(cfg, wl, PositionModel(gamma=5)) for _ in range(2))
+    assert a.requests == b.requests
+    assert [(s.end, s.planned, s.accepted) for s in a.steps] == [
+        (s.end, s.planned, s.accepted) for s in b.steps]
+
+
+def test_prefill_admission_limit_spreads_new_prompts_over_steps() -> None:
+    # 4 prompts of 100 tokens, at most 250 prompt tokens admitted per step: 2 + 2 requests.
+    cfg = FleetConfig(cost=constant(), policy="off", max_num_seqs=8, max_prefill_tokens=250,
+                      progress=False)
+    res = simulate(cfg, fixed_batch(4, 5, prompt=100), PositionModel())
+    ttfts = sorted(r.first_token for r in res.requests)
+    assert ttfts == pytest.approx([STEP, STEP, 2 * STEP, 2 * STEP])
