@@ -34,7 +34,6 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 # Below this a positive temperature overflows logits / T to inf in float64 (NaN distributions):
 # the smallest temperature we take is far above that and far below any useful value.
-MIN_TEMPERATURE = 1e-6
 _TEXT_SLACK = 2  # text bytes per token bound: normalisers (NFC) may shrink text a little
 
 
@@ -95,11 +94,6 @@ class RequestChecker:
                 f"SamplingParams.max_tokens={params.max_tokens}: over this server's ceiling "
                 f"{self.max_tokens} (max_tokens_limit; the model's context is "
                 f"{self.max_model_len} tokens)"
-            )
-        if 0 < params.temperature < MIN_TEMPERATURE:
-            raise InvalidArgument(
-                f"SamplingParams.temperature={params.temperature!r}: must be 0 (greedy) or >= "
-                f"{MIN_TEMPERATURE} (smaller values overflow the logits)"
             )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:

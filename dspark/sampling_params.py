@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MIN_TEMPERATURE = 1e-6  # below it logits / T overflow float32 and sampling breaks
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,8 +40,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         _check(
             isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-            and self.temperature >= 0,
-            "temperature", self.temperature, "must be a finite number >= 0",
+            and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+            "temperature", self.temperature,
+            f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (smaller values "
+            "overflow the tempered logits)",
         )
         _check(
             isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,

@@ -202,7 +202,7 @@ def train_drafter(
     }
     step = 0
     if resume and _state_path(out).exists():
-        state = torch.load(_state_path(out), weights_only=False)
+        state = torch.load(_state_path(out), weights_only=True)
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])

@@ -40,10 +40,10 @@ from hypothesis import strategies as st
 import dspark
 from dspark import errors
 from dspark.coordinator.engine import Engine
-from dspark.coordinator.limits import MIN_TEMPERATURE, Limits
+from dspark.coordinator.limits import Limits
 from dspark.coordinator.server import Server
 from dspark.protos import dspark_pb2 as pb
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 VOCAB = 4096  # the demo target's
 MAX_PROMPT_TOKENS = 128

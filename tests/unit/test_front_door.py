@@ -79,7 +79,6 @@ def test_limits_resolve_against_the_context() -> None:
     "params, error, words",
     [
         (SamplingParams(max_tokens=513), errors.OutOfRange, "SamplingParams.max_tokens=513"),
-        (SamplingParams(temperature=1e-9), errors.InvalidArgument, "temperature=1e-09"),
         (SamplingParams(stop_token_ids=(4096,)), errors.InvalidArgument, "4096 is outside"),
         (SamplingParams(stop=("x",) * 65), errors.OutOfRange, "SamplingParams.stop has 65"),
         (SamplingParams(stop=("x" * 1025,)), errors.OutOfRange, "stop[0] has 1025 characters"),
