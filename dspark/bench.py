@@ -8,6 +8,7 @@ machine's noise falls on all arms alike. Speed is output tokens per wall-clock s
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,8 +166,12 @@ POLICY_ARMS = (
 
 def run_policy_bench(proposer: str = "draft-model", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
-                     out_dir: Path = Path("runs/bench_policies")) -> dict:
-    """Policies side by side at several numbers of requests in flight (closed loop)."""
+                     out_dir: Path = Path("runs/bench_policies"), repeats: int = 3) -> dict:
+    """Policies side by side at several numbers of requests in flight (closed loop).
+
+    Each cell runs every arm `repeats` times, interleaved and in a rotated order each round, and
+    reports the median tokens/s: on a shared machine a load spike then hits one run of one arm,
+    not a whole arm."""
     prompts = load_prompts(heldout_prompts_path())
     engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
                              max_num_seqs=max(concurrencies))
@@ -175,31 +180,21 @@ def run_policy_bench(proposer: str = "draft-model", concurrencies: tuple[int, ..
         e.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))
     results: dict[str, dict] = {}
     cells = [(t, c) for t in temperatures for c in concurrencies]
-    bar = tqdm(total=len(cells) * len(engines), desc="policies", unit="run")
+    bar = tqdm(total=len(cells) * len(engines) * repeats, desc="policies", unit="run")
     for temperature, conc in cells:
         n = max(2 * conc, 8)
         batch = [prompts[i % len(prompts)] for i in range(n)]
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
                   for i in range(n)]
         row = results.setdefault(f"T={temperature:g}", {}).setdefault(str(conc), {})
-        for label, engine in engines.items():
-            engine.max_num_seqs = conc
-            before = engine.stats.as_dict()
-            start = time.perf_counter()
-            outs = engine.generate(batch, params)
-            seconds = time.perf_counter() - start
-            after = engine.stats.as_dict()
-            steps = after["steps"] - before["steps"]
-            tokens = sum(len(o.token_ids) for o in outs)
-            passes = sum(int(o.stats["target_passes"]) for o in outs)
-            row[label] = {
-                "tokens_per_s": tokens / seconds,
-                "mean_accepted_length": tokens / passes,
-                "verified_per_step": (after["verified_tokens"] - before["verified_tokens"]) / steps,
-                "accepted": after["accepted_tokens"] - before["accepted_tokens"],
-                "predicted_accepted": after["predicted_accepted"] - before["predicted_accepted"],
-            }
-            bar.update()
+        runs: dict[str, list[dict]] = {label: [] for label in engines}
+        labels = list(engines)
+        for rep in range(repeats):
+            for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
+                runs[label].append(_policy_run(engines[label], conc, batch, params))
+                bar.update()
+        for label in labels:
+            row[label] = _merge_runs(runs[label])
     bar.close()
     _print_policy_table(results)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,6 +203,35 @@ def run_policy_bench(proposer: str = "draft-model", concurrencies: tuple[int, ..
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
     return results
+
+
+def _policy_run(engine: Engine, conc: int, batch: list[str], params: list[SamplingParams]) -> dict:
+    engine.max_num_seqs = conc
+    before = engine.stats.as_dict()
+    start = time.perf_counter()
+    outs = engine.generate(batch, params)
+    seconds = time.perf_counter() - start
+    after = engine.stats.as_dict()
+    return {
+        "seconds": seconds,
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "passes": sum(int(o.stats["target_passes"]) for o in outs),
+        **{k: after[k] - before[k] for k in
+           ("steps", "verified_tokens", "accepted_tokens", "predicted_accepted")},
+    }
+
+
+def _merge_runs(runs: list[dict]) -> dict:
+    """Median tokens/s over the repeats; counts summed over them."""
+    total = {k: sum(r[k] for r in runs) for k in runs[0]}
+    return {
+        "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in runs),
+        "tokens_per_s_runs": [r["tokens"] / r["seconds"] for r in runs],
+        "mean_accepted_length": total["tokens"] / total["passes"],
+        "verified_per_step": total["verified_tokens"] / total["steps"],
+        "accepted": total["accepted_tokens"],
+        "predicted_accepted": total["predicted_accepted"],
+    }
 
 
 def _print_policy_table(results: dict) -> None:

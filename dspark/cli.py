@@ -136,7 +136,7 @@ def cmd_bench_policies(a: argparse.Namespace) -> int:
 
     concs = tuple(int(c) for c in a.concurrency.split(","))
     run_policy_bench(proposer=a.proposer, concurrencies=concs, max_tokens=a.max_tokens,
-                     out_dir=Path(a.out))
+                     out_dir=Path(a.out), repeats=a.repeats)
     return 0
 
 
@@ -273,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposer", default="draft-model")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell (median)")
     p.add_argument("--out", default="runs/bench_policies")
     p.set_defaults(fn=cmd_bench_policies)
 
