@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import random
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from leak_checks import IDLE, accounting_when_idle
 
 import dspark
 from dspark import errors
@@ -49,15 +49,6 @@ VOCAB = 4096  # the demo target's
 MAX_PROMPT_TOKENS = 128
 MAX_TOKENS = 48
 MAX_MESSAGE_BYTES = 48 * 1024
-IDLE = {
-    "waiting": 0,
-    "running": 0,
-    "unclaimed": 0,
-    "reserved_blocks": 0,
-    "coordinator_requests": [],
-    "target": {"requests": [], "used_blocks": 0},
-    "draft": {"requests": [], "used_blocks": 0},
-}
 
 
 @dataclass(frozen=True)
@@ -455,7 +446,7 @@ def test_server_serves_correctly_after_the_fuzz(
     with grpc.insecure_channel(server.address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
-    assert wait_accounting(server) == IDLE
+    assert accounting_when_idle(server.loop) == IDLE
 
 
 def test_malformed_model_info_request_is_invalid_argument(server: Server) -> None:
@@ -479,13 +470,3 @@ def test_sdk_maps_out_of_range(server: Server) -> None:
         assert e.value.code == "OUT_OF_RANGE" and isinstance(e.value, ValueError)
         with pytest.raises(errors.OutOfRange, match="max_tokens=1000000"):
             client.generate("a", {"max_tokens": 10**6})
-
-
-def wait_accounting(server: Server, timeout: float = 20.0) -> dict:
-    """The engine's accounting once it is idle (or whatever it is after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        acc = server.loop.call(lambda e: e.accounting(), timeout=30)
-        if acc == IDLE or time.monotonic() > deadline:
-            return acc
-        time.sleep(0.05)

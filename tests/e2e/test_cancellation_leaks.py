@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import grpc
+from leak_checks import IDLE, accounting_when_idle
 
 from dspark.coordinator.serve import Service
 from dspark.protocol import chunk_from_proto, request_to_proto
@@ -20,10 +20,6 @@ from dspark.sampling_params import SamplingParams
 NUM_REQUESTS = 1000
 CONCURRENCY = 40
 LONG = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
-IDLE = {
-    "waiting": 0, "running": 0, "unclaimed": 0, "reserved_blocks": 0, "coordinator_requests": [],
-    "target": {"requests": [], "used_blocks": 0}, "draft": {"requests": [], "used_blocks": 0},
-}
 
 
 async def _one(stub: pb_grpc.DSparkStub, prompt: str, how: str, rng: random.Random) -> str:
@@ -65,15 +61,6 @@ async def _storm(address: str, prompts: list[str]) -> dict[str, int]:
     return seen
 
 
-def _accounting_when_idle(service: Service, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        acc = service.server.loop.call(lambda e: e.accounting(), timeout=30)
-        if acc == IDLE or time.monotonic() > deadline:
-            return acc
-        time.sleep(0.1)
-
-
 def test_thousand_cancelled_or_expired_requests_leak_nothing(
     service: Service, prompts, reference, greedy
 ) -> None:
@@ -83,8 +70,8 @@ def test_thousand_cancelled_or_expired_requests_leak_nothing(
     print("outcomes:", seen)
     assert sum(seen.values()) == NUM_REQUESTS
     assert seen.get("cancelled", 0) >= 600 and seen.get("deadline", 0) >= 250, seen
-    assert _accounting_when_idle(service) == IDLE
+    assert accounting_when_idle(service.server.loop, timeout=60) == IDLE
     with dspark.Client(service.address, timeout=120) as client:
         out = client.generate(prompts[0], greedy)
     assert out.token_ids == reference[0].token_ids  # the server serves on, unharmed
-    assert _accounting_when_idle(service) == IDLE
+    assert accounting_when_idle(service.server.loop, timeout=60) == IDLE

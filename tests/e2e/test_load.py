@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from leak_checks import IDLE, accounting_when_idle
 
 import dspark
 from dspark import errors
@@ -33,15 +34,6 @@ MAX_IN_FLIGHT = int(os.environ.get("DSPARK_LOAD_IN_FLIGHT", "48"))
 MAX_TOKENS = 24  # a prefix of the reference's 32 greedy tokens
 CHANNELS = 4
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
-IDLE = {
-    "waiting": 0,
-    "running": 0,
-    "unclaimed": 0,
-    "reserved_blocks": 0,
-    "coordinator_requests": [],
-    "target": {"requests": [], "used_blocks": 0},
-    "draft": {"requests": [], "used_blocks": 0},
-}
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +42,6 @@ def server(engine_kwargs) -> Iterator[Server]:
     srv = Server(Engine(**engine_kwargs), limits=limits, grace=1.0).start()
     yield srv
     srv.stop()
-
-
-def _accounting(server: Server, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        acc = server.loop.call(lambda e: e.accounting(), timeout=30)
-        if acc == IDLE or time.monotonic() > deadline:
-            return acc
-        time.sleep(0.05)
 
 
 def test_full_server_refuses_at_once_then_admits_again(engine_kwargs) -> None:
@@ -85,7 +68,7 @@ def test_full_server_refuses_at_once_then_admits_again(engine_kwargs) -> None:
             assert len(out.token_ids) >= 1
             rest = list(streams[1])
             assert sum(len(c.token_ids) for c in rest) >= 1 and rest[-1].finish_reason == "length"
-        assert _accounting(srv) == IDLE
+        assert accounting_when_idle(srv.loop) == IDLE
     finally:
         srv.stop()
 
@@ -167,4 +150,4 @@ def test_load_every_admitted_request_completes_none_lost(
     assert outcomes["completed"] >= MAX_IN_FLIGHT
     assert peak["in_flight"] <= MAX_IN_FLIGHT
     assert server.loop.failure is None
-    assert _accounting(server) == IDLE
+    assert accounting_when_idle(server.loop) == IDLE
