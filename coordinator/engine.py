@@ -17,11 +17,11 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
-from typing import Protocol
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -30,9 +30,9 @@ from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import Policy
 from dspark.coordinator.profiler import load_or_profile
+from dspark.coordinator.request import GenerationResult, Request
 from dspark.coordinator.scheduler import POLICY_NAMES, make_policy, survivals_of
 from dspark.coordinator.trace import TraceRecorder
-from dspark.coordinator.request import GenerationResult, Request
 from dspark.demo import demo_path
 from dspark.draft_worker.draft_model import DraftModelProposer
 from dspark.draft_worker.dspark_proposer import DSparkProposer

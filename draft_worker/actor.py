@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dspark.faults import first_line
 from dspark.messages import DraftQuery, Drafts, NewRequest
 
 logger = logging.getLogger(__name__)
@@ -293,8 +294,7 @@ class DraftPool:
         lost = self.routes.requests_of(a)
         logger.warning(
             "draft actor %d failed (%s: %s); %d requests continue without drafts until it is "
-            "replaced", a, type(error).__name__, str(error).splitlines()[0] if str(error) else "",
-            len(lost),
+            "replaced", a, type(error).__name__, first_line(error), len(lost),
         )
         if not isinstance(error, ray.exceptions.RayActorError):
             ray.kill(self.actors[a], no_restart=False)

@@ -15,3 +15,9 @@ class WorkerLost(RuntimeError):
 
 class WorkersUnavailable(RuntimeError):
     """A pool lost workers and could not replace them; requests needing it cannot continue."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line for a log or status message (Ray's errors run to many lines)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

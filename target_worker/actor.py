@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dspark.faults import WorkerLost, WorkersUnavailable
+from dspark.faults import WorkerLost, WorkersUnavailable, first_line
 from dspark.messages import NewRequest, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
 
@@ -41,11 +41,6 @@ Op = tuple[str, Any]
 
 STEP_TIMEOUT_S = 300.0  # a verify step longer than this counts as a lost rank
 MAX_RECOVERIES = 3  # group rebuilds in a row (no successful verify between) before giving up
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def target_actor_name(rank: int) -> str:
@@ -229,8 +224,6 @@ class TargetGroup:
         self._ops.append(("release", req_id))
 
     def verify(self, plan: VerifyPlan) -> VerifyResult:
-        import ray
-
         start = time.perf_counter()
         ops, self._ops = self._ops, []
         results = self._gather([a.step.remote(ops, plan) for a in self.actors])
@@ -268,11 +261,11 @@ class TargetGroup:
                     raise WorkerLost(f"a target rank did not answer within {self.step_timeout:g}s")
                 ray.get(done[0])
         except ray.exceptions.RayActorError as e:
-            raise WorkerLost(f"a target rank died: {_first_line(e)}") from e
+            raise WorkerLost(f"a target rank died: {first_line(e)}") from e
         except ray.exceptions.RayTaskError as e:
             dead = self._dead_ranks()
             if dead:
-                raise WorkerLost(f"target ranks {dead} died: {_first_line(e)}") from e
+                raise WorkerLost(f"target ranks {dead} died: {first_line(e)}") from e
             raise
         return ray.get(refs)
 
