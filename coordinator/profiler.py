@@ -95,7 +95,7 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
     tables: dict[str, tuple[float, ...]] = {}
     if proposer is not None and getattr(proposer, "sequential_drafts", False):
         for sampled in (False, True):
-            first, each = _profile_rounds(proposer, prompt, n_max, repeats, sampled, vocab)
+            first, each = _profile_rounds(proposer, prompt, n_max, repeats, sampled)
             suffix = "_sampled" if sampled else ""
             tables["draft_first" + suffix], tables["draft" + suffix] = first, each
     meta = {"hardware": hardware_key(), "context": str(context), "repeats": str(repeats),
@@ -152,8 +152,8 @@ def draft_grid(n_max: int) -> list[int]:
     return sizes
 
 
-def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sampled: bool,
-                    vocab: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sampled: bool
+                    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     params = SamplingParams(temperature=1.0 if sampled else 0.0)
     tag = "sampled" if sampled else "greedy"
     ids = [f"__profile-draft-{tag}-{i}" for i in range(n_max)]
@@ -166,7 +166,7 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
         for r in ids:
             proposer.commit(r, 0)
         for n in tqdm(grid, desc=f"profile draft ({tag})", unit="size"):
-            t1, tn = (median_time(_round(proposer, ids[:n], k, vocab), repeats)
+            t1, tn = (median_time(_round(proposer, ids[:n], k), repeats)
                       for k in (1, DRAFT_SPAN))
             first.append(t1)
             each.append(max(0.0, (tn - t1) / (DRAFT_SPAN - 1)))
@@ -176,7 +176,7 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
     return monotone(_interpolate(grid, first)), monotone(_interpolate(grid, each))
 
 
-def _round(proposer: Any, ids: list[str], positions: int, vocab: int) -> Any:
+def _round(proposer: Any, ids: list[str], positions: int) -> Any:
     def run() -> None:
         proposer.propose([DraftQuery(r, tuple(range(CATCH_UP)), positions) for r in ids])
         for r in ids:
