@@ -199,7 +199,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, num_anchors=a.num_anchors,
         block_size=a.block_size, num_draft_layers=a.num_draft_layers,
         target_layer_ids=tuple(a.target_layer_ids), markov_rank=a.markov_rank, lr=a.lr,
-        eval_every=a.eval_every, seed=a.seed,
+        eval_every=a.eval_every, seed=a.seed, init_from=a.init_from,
     )
     log = train_drafter(a.target, a.out, cfg, resume=not a.no_resume)
     print(json.dumps({"out": a.out, "train_seconds": log["train_seconds"], "final": log["train"][-1],
@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if state exists")
+    p.add_argument("--init-from", default=None,
+                   help="start from this drafter's weights (same shapes; schedule starts afresh)")
     p.set_defaults(fn=cmd_train_drafter)
 
     p = sub.add_parser("calibrate", help="fit STS temperatures of a DSpark drafter's confidence head")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dspark.draft_worker.dspark_checkpoint import new_drafter, save_drafter
+from dspark.draft_worker.dspark_checkpoint import load_drafter, new_drafter, save_drafter
 from dspark.draft_worker.dspark_model import DSparkDrafter
 from dspark.models.checkpoint import load_model
 from dspark.models.decoder import DecoderLM
@@ -63,6 +63,10 @@ class DrafterTrainConfig:
     checkpoint_every: int = 100  # resumable state every this many steps
     autocast_bf16: bool = True  # bf16 autocast on CPU (weights and optimizer stay float32)
     seed: int = 0
+    # Start from this drafter's weights (same shapes, its mask token) instead of random ones;
+    # the step count and learning-rate schedule start afresh. The shipped demo drafter continues
+    # its first run this way.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +81,18 @@ class DrafterTrainConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.seq_len - self.block_size - 2 < self.num_anchors:
             raise ValueError(f"num_anchors={self.num_anchors}: too many for seq_len={self.seq_len}")
+
+
+def _check_same_shape(drafter: DSparkDrafter, init: DSparkDrafter, path: str | None) -> None:
+    mine = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in init.state_dict().items()}
+    if mine != theirs:
+        diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise ValueError(f"init_from={path}: shapes differ from this run's drafter at {diff[:4]}")
+    if init.config.block_size != drafter.config.block_size or (
+        init.config.target_layer_ids != drafter.config.target_layer_ids
+    ):
+        raise ValueError(f"init_from={path}: block_size or target_layer_ids differ from this run's")
 
 
 def position_weights(gamma: int, decay: float) -> torch.Tensor:  # [γ]
@@ -176,8 +192,11 @@ def train_drafter(
     target = load_model(target_dir).eval().requires_grad_(False)
     train_stream = encode_corpus(target_dir, held_out=False)
     eval_stream = encode_corpus(target_dir, held_out=True)
+    init = load_drafter(cfg.init_from, target_dir) if cfg.init_from else None
     mask_id = cfg.mask_token_id
-    if mask_id is None:
+    if init is not None:
+        mask_id = init.config.mask_token_id
+    elif mask_id is None:
         mask_id = rarest_token(train_stream, target.config.vocab_size)
     drafter = new_drafter(
         target_dir,
@@ -188,7 +207,12 @@ def train_drafter(
         markov_rank=cfg.markov_rank,
         num_anchors=cfg.num_anchors,
         seed=cfg.seed,
-    ).train()
+    )
+    if init is not None:
+        _check_same_shape(drafter, init, cfg.init_from)
+        drafter.load_state_dict(init.state_dict())
+        drafter.set_sts_temperatures(None)  # a retrained head needs calibrating again
+    drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -3,6 +3,7 @@ resumed from its checkpoint ends exactly where an uninterrupted run ends (fixed 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,36 @@ def test_resumed_run_ends_where_an_uninterrupted_run_ends(
         assert torch.equal(a[name], b[name]), name
     assert (tmp_path / "a" / "training_loss.png").exists()
     assert straight["train"][0]["loss"] > 0 and len(straight["eval"]) == 1
+
+
+def test_init_from_continues_from_a_drafters_weights(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`init_from` starts the run at the given drafter's weights and mask token (not at random
+    ones), and a drafter of another shape is refused by name."""
+    target_dir, drafter_dir = tiny
+    stream = torch.randint(1, 4096, (5000,), generator=torch.Generator().manual_seed(6),
+                           dtype=torch.int32)
+    monkeypatch.setattr(drafter_training, "encode_corpus", lambda _dir, held_out: stream)
+    kw = dict(batch_size=2, seq_len=40, num_anchors=4, block_size=5, num_draft_layers=2,
+              target_layer_ids=(0, 1), markov_rank=16, eval_every=1000, eval_windows=2,
+              autocast_bf16=False)
+    start = load_file(str(drafter_dir / "model.safetensors"))
+    seen: list[dict[str, torch.Tensor]] = []
+    real_loss = drafter_training.drafter_loss
+
+    def spy(target, drafter, *args):  # noqa: ANN001, ANN202 - records the weights at step 1
+        if not seen:
+            seen.append({k: v.detach().clone() for k, v in drafter.state_dict().items()})
+        return real_loss(target, drafter, *args)
+
+    monkeypatch.setattr(drafter_training, "drafter_loss", spy)
+    train_drafter(target_dir, tmp_path / "c",
+                  DrafterTrainConfig(steps=1, init_from=str(drafter_dir), **kw))
+    assert set(seen[0]) == set(start)
+    for name, tensor in start.items():
+        assert torch.equal(seen[0][name], tensor), name
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["mask_token_id"] == 9
+    with pytest.raises(ValueError, match="init_from=.*shapes differ"):
+        train_drafter(target_dir, tmp_path / "d", DrafterTrainConfig(
+            steps=1, init_from=str(drafter_dir), **{**kw, "markov_rank": 8}))
