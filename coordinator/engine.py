@@ -155,7 +155,7 @@ class Engine:
             self.target = TargetRunner(target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers)
         self._check_vocab()
         self.tracker = AcceptanceTracker(max_draft=k)
-        self.cost_model = self._cost_model(policy, cost_model, target_dir, drafter, profile_dir)
+        self.cost_model = self._cost_model(policy, cost_model, target_dir, drafter, profile_dir, k)
         self.policy: Policy = make_policy(
             policy, k, self.cost_model, self.tracker,
             a_priori=not getattr(self.proposer, "has_confidence_head", False),
@@ -199,7 +199,8 @@ class Engine:
         return DraftModelProposer(path, num_blocks, block_size, dtype)
 
     def _cost_model(self, policy: str, given: CostModel | str | Path | None, target_dir: Path,
-                    drafter: str | Path | None, profile_dir: str | Path) -> CostModel | None:
+                    drafter: str | Path | None, profile_dir: str | Path, k: int
+                    ) -> CostModel | None:
         if policy not in POLICY_NAMES:
             raise ValueError(f"policy={policy!r}: choose one of {list(POLICY_NAMES)}")
         if isinstance(given, CostModel):
@@ -210,13 +211,14 @@ class Engine:
             return None
         # The profile times the workers' own verbs, so remote pools are profiled with their
         # transport; the cache key tells the layouts apart.
-        sequential = getattr(self.proposer, "sequential_drafts", False)
+        name = getattr(self.proposer, "name", "none")
         draft_dir = None
-        if sequential:
-            draft_dir = Path(drafter) if drafter is not None else demo_path(self.proposer.name)
+        if name in ("dspark", "draft-model"):
+            draft_dir = Path(drafter) if drafter is not None else demo_path(name)
         layout = f"{type(self.target).__name__}-tp{getattr(self.target, 'tp', 1)}"
-        return load_or_profile(target_dir, draft_dir, self.target, self.proposer if sequential
-                               else None, profile_dir, layout=layout)
+        return load_or_profile(target_dir, draft_dir, self.target,
+                               None if name == "none" else self.proposer, profile_dir,
+                               layout=layout, block=k)
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.proposer, "vocab_size", None)

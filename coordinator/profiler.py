@@ -9,6 +9,7 @@ a cheaper approximation for tools that have models but no workers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +70,25 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v1"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v2"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
 
 def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: int = 64,
-                    context: int = 256, repeats: int = 5, key: str = "") -> CostModel:
+                    context: int = 256, repeats: int = 5, key: str = "", block: int = 7
+                    ) -> CostModel:
     """Time the engine's own verbs on scratch requests (released afterwards).
 
     verify[B-1]: `target.verify` of B tokens (requests of anchor + 7 drafts, the last shorter)
-    after `context` cached tokens, acceptance included. For a proposer that drafts one position
-    per forward (`sequential_drafts`), a round over n requests is timed with 1 and DRAFT_SPAN
-    positions after CATCH_UP new committed tokens, greedy and at temperature 1:
-    draft_first = t(1), draft = (t(DRAFT_SPAN) - t(1)) / (DRAFT_SPAN - 1). Draft sizes are
-    measured on a grid and interpolated; every table is made monotone.
+    after `context` cached tokens, acceptance included. Drafting rounds over n requests are
+    timed after CATCH_UP new committed tokens (with their target hidden rows for a drafter that
+    reads them), greedy and at temperature 1:
+    - a proposer that drafts one position per forward (`sequential_drafts`): with 1 and
+      DRAFT_SPAN positions, draft_first = t(1), draft = (t(DRAFT_SPAN) - t(1)) / (DRAFT_SPAN - 1);
+    - a parallel drafter (DSpark's one block pass, n-gram lookup): one round of `block`
+      positions, draft_first = its time and draft = 0 (a further position costs nothing more).
+    Draft sizes are measured on a grid and interpolated; every table is made monotone.
     """
     vocab = target.config.vocab_size
     rng = torch.Generator().manual_seed(0)
@@ -93,9 +98,10 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
 
     verify = _profile_verify(target, prompt, b_max, context, repeats)
     tables: dict[str, tuple[float, ...]] = {}
-    if proposer is not None and getattr(proposer, "sequential_drafts", False):
+    if proposer is not None:
+        width = target.config.hidden_size * len(getattr(proposer, "hidden_layers", ()))
         for sampled in (False, True):
-            first, each = _profile_rounds(proposer, prompt, n_max, repeats, sampled)
+            first, each = _profile_rounds(proposer, prompt, n_max, repeats, sampled, width, block)
             suffix = "_sampled" if sampled else ""
             tables["draft_first" + suffix], tables["draft" + suffix] = first, each
     meta = {"hardware": hardware_key(), "context": str(context), "repeats": str(repeats),
@@ -152,33 +158,51 @@ def draft_grid(n_max: int) -> list[int]:
     return sizes
 
 
-def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sampled: bool
+def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sampled: bool,
+                    hidden_width: int, block: int
                     ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     params = SamplingParams(temperature=1.0 if sampled else 0.0)
     tag = "sampled" if sampled else "greedy"
     ids = [f"__profile-draft-{tag}-{i}" for i in range(n_max)]
     grid = draft_grid(n_max)
+    sequential = getattr(proposer, "sequential_drafts", False)
+    rows = _hidden_rows(hidden_width)
     first, each = [], []
     try:
         for i, r in enumerate(ids):
             proposer.add_request(NewRequest(r, (), params, seed=i))
-        proposer.propose([DraftQuery(r, prompt(), 1) for r in ids])  # prefill the context
+        # Prefill the context: every prompt position but the anchor has its target rows.
+        prompts = [prompt() for _ in ids]
+        proposer.propose([DraftQuery(r, p, 1, rows(len(p) - 1)) for r, p in zip(ids, prompts)])
         for r in ids:
             proposer.commit(r, 0)
         for n in tqdm(grid, desc=f"profile draft ({tag})", unit="size"):
-            t1, tn = (median_time(_round(proposer, ids[:n], k), repeats)
-                      for k in (1, DRAFT_SPAN))
-            first.append(t1)
-            each.append(max(0.0, (tn - t1) / (DRAFT_SPAN - 1)))
+            if sequential:
+                t1, tn = (median_time(_round(proposer, ids[:n], k, rows), repeats)
+                          for k in (1, DRAFT_SPAN))
+                first.append(t1)
+                each.append(max(0.0, (tn - t1) / (DRAFT_SPAN - 1)))
+            else:
+                first.append(median_time(_round(proposer, ids[:n], block, rows), repeats))
+                each.append(0.0)
     finally:
         for r in ids:
             proposer.release(r)
     return monotone(_interpolate(grid, first)), monotone(_interpolate(grid, each))
 
 
-def _round(proposer: Any, ids: list[str], positions: int) -> Any:
+def _hidden_rows(width: int) -> Callable[[int], torch.Tensor | None]:
+    """Random target hidden rows [n, width] for a drafter that reads them (None otherwise)."""
+    def rows(n: int) -> torch.Tensor | None:
+        return torch.randn(n, width) if width else None
+    return rows
+
+
+def _round(proposer: Any, ids: list[str], positions: int,
+           rows: Callable[[int], torch.Tensor | None]) -> Callable[[], None]:
     def run() -> None:
-        proposer.propose([DraftQuery(r, tuple(range(CATCH_UP)), positions) for r in ids])
+        proposer.propose([DraftQuery(r, tuple(range(CATCH_UP)), positions, rows(CATCH_UP))
+                          for r in ids])
         for r in ids:
             proposer.commit(r, 0)
 
@@ -206,9 +230,11 @@ def load_or_profile(target_dir: str | Path, drafter_dir: str | Path | None, targ
     (in-process or a Ray TP degree), measured once if missing.
 
     `target` is the target worker, `proposer` the proposer whose drafting rounds are timed (None:
-    drafting costs nothing that grows with positions)."""
+    no drafting cost is modelled). The key names the proposer kind, its checkpoint (if any), the
+    layout and the profile method."""
     dirs = [target_dir] + ([drafter_dir] if drafter_dir is not None else [])
-    key = f"{cache_key(dirs)}-{layout}-{PROFILE_VERSION}"
+    kind = getattr(proposer, "name", "none") if proposer is not None else "none"
+    key = f"{cache_key(dirs)}-{kind}-{layout}-{PROFILE_VERSION}"
     path = Path(cache_dir) / f"{key}.json"
     if path.exists():
         return CostModel.load(path)

@@ -35,6 +35,7 @@ from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
+PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class BudgetedPolicy(Policy):
         self._budget = 0
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
+        self._steps = 0  # steps planned so far (the probe cadence)
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int]) -> float:
@@ -107,7 +109,8 @@ class BudgetedPolicy(Policy):
             # first K slots, i.e. the sequential positions to draft, is a running max of j.
             positions = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         else:
-            positions = torch.full_like(ks, 1 if num_reqs else 0)
+            # A parallel drafter costs one round whatever K; K = 0 skips the round.
+            positions = (ks > 0).long()
         times = self.cost.step_times(num_reqs + ks, num_reqs, positions, self._sampled)
         return int(torch.argmax(tokens / times))
 
@@ -125,14 +128,20 @@ class BudgetedPolicy(Policy):
             rows.append(hist[0] if hist is not None and len(hist) == STALE_STEPS else fallback)
         return torch.stack(rows) if rows else torch.zeros(0, self.gamma, dtype=torch.float64)
 
-    def _remember(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> None:
+    def _remember(self, req_ids: tuple[str, ...], survivals: torch.Tensor,
+                  fresh: list[bool] | None = None) -> None:
+        """Push each request's survival row into its history ring (and the batch mean into the
+        global one). Rows marked not `fresh` (nothing drafted for them this step) leave their
+        history as it is: a missing draft is no evidence of zero acceptance."""
         padded = torch.zeros(len(req_ids), self.gamma, dtype=torch.float64)
         width = min(self.gamma, survivals.shape[1])
         padded[:, :width] = survivals[:, :width]
-        for r, row in zip(req_ids, padded):
-            self._history.setdefault(r, deque(maxlen=STALE_STEPS)).append(row)
-        if len(req_ids):
-            self._global_history.append(padded.mean(dim=0))
+        fresh = [True] * len(req_ids) if fresh is None else fresh
+        for r, row, ok in zip(req_ids, padded, fresh):
+            if ok:
+                self._history.setdefault(r, deque(maxlen=STALE_STEPS)).append(row)
+        if any(fresh):
+            self._global_history.append(padded[torch.tensor(fresh)].mean(dim=0))
 
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
@@ -149,9 +158,14 @@ class BudgetedPolicy(Policy):
             self._remember(req_ids, survivals_of(conf))
             return list(self._planned)
         self._budget = self.budget_before_drafting(req_ids, limits)
+        self._steps += 1
         if not self.sequential_drafts:
             # A parallel drafter (DSpark) pays the same for γ drafts as for one: draft the whole
-            # block, so every step observes fresh confidences for the history.
+            # block, so the step observes fresh confidences for the history. When the budget is
+            # 0 the round is skipped, except every PROBE_EVERY steps, which keeps the history
+            # (and so the budget) following the drafter's acceptance.
+            if self._budget == 0 and self._steps % PROBE_EVERY:
+                return [0] * len(limits)
             return limits
         return [min(n, self._budget) for n in limits]
 
@@ -164,9 +178,11 @@ class BudgetedPolicy(Policy):
 
     def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
         assert self._planned is not None, "choose_budget first"
-        planned = [min(p, n) for p, n in zip(self._planned, drafts.num_drafts.tolist())]
+        drafted = drafts.num_drafts.tolist()
+        planned = [min(p, n) for p, n in zip(self._planned, drafted)]
         if not self.a_priori and drafts.confidences is not None:
-            self._remember(drafts.req_ids, survivals_of(drafts.confidences))
+            self._remember(drafts.req_ids, survivals_of(drafts.confidences),
+                           [n > 0 for n in drafted])
         return planned
 
     def observe(self, step: StepState) -> None:

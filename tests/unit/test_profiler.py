@@ -36,7 +36,7 @@ def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(wor
     assert proposer.usage() == {"requests": [], "used_blocks": 0}
 
 
-def test_proposer_without_sequential_drafts_gets_no_draft_tables(workers) -> None:
+def test_no_proposer_gets_no_draft_tables(workers) -> None:
     cost = profile_workers(workers[0], None, b_max=3, n_max=2, context=8, repeats=1)
     assert len(cost.verify) == 3 and all(getattr(cost, n) == () for n in TABLES)
     assert cost.draft_time(4, 3) == 0.0
@@ -79,3 +79,32 @@ def test_draft_grid_covers_small_sizes_and_ends_at_n_max() -> None:
         grid = draft_grid(n_max)
         assert grid[: min(8, n_max)] == list(range(1, min(8, n_max) + 1))
         assert grid[-1] == n_max and grid == sorted(set(grid))
+
+
+def test_parallel_drafters_are_profiled_as_one_round_per_step(tmp_path, one_thread) -> None:
+    """DSpark (target hidden rows in, one block pass) and n-gram lookup: a round costs
+    draft_first whatever the number of positions, so `draft` is all zeros."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    from dspark.draft_worker.dspark_checkpoint import new_drafter, save_drafter
+    from dspark.draft_worker.dspark_proposer import DSparkProposer
+    from dspark.draft_worker.ngram import NgramProposer
+
+    target_dir = write_tiny_checkpoint(tmp_path / "target", "qwen3", layers=2, seed=1)
+    save_drafter(new_drafter(target_dir, block_size=4, num_draft_layers=1, target_layer_ids=[0, 1],
+                             mask_token_id=9, markov_rank=8), tmp_path / "dspark")
+    dspark = DSparkProposer(tmp_path / "dspark", target_dir, num_blocks=256)
+    target = TargetRunner(target_dir, num_blocks=128, hidden_layers=dspark.hidden_layers)
+    for proposer in (dspark, NgramProposer()):
+        cost = profile_workers(target, proposer, b_max=3, n_max=4, context=12, repeats=1,
+                               block=4)
+        for name in TABLES:
+            table = getattr(cost, name)
+            assert len(table) == 4, name
+            if name.startswith("draft_first"):
+                assert all(t > 0 for t in table), name
+            else:
+                assert table == (0.0,) * 4, name
+        assert cost.draft_time(3, 1) == cost.draft_time(3, 4) == cost.draft_first[2]
+        assert proposer.usage()["requests"] == []
+    assert target.usage() == {"requests": [], "used_blocks": 0}

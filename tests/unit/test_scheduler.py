@@ -151,3 +151,56 @@ def test_vectorised_step_times_equal_scalar_lookup() -> None:
     pos = torch.tensor([0, 1, 2, 3, 4])
     expected = [cost.step_time(int(b), 2, int(p)) for b, p in zip(n, pos)]
     assert cost.step_times(n, 2, pos).tolist() == pytest.approx(expected)
+
+
+def skipped_drafts(ids: tuple[str, ...]) -> Drafts:
+    """What a parallel drafter returns when asked for no drafts: width 0, zero counts."""
+    n = len(ids)
+    return Drafts(ids, torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                  None, torch.zeros(n, 0, dtype=torch.float64))
+
+
+def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -> None:
+    from dspark.coordinator.scheduler import PROBE_EVERY
+
+    cost = CostModel.linear(1.0, 2.0)  # verification so dear that K = 0 at the prior rates
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a", "b")
+    asked = []
+    for _ in range(2 * PROBE_EVERY):
+        lengths = policy.draft_lengths([3, 3], ids)
+        asked.append(lengths)
+        d = drafts_of([[0.9, 0.9, 0.9]] * 2, ids) if any(lengths) else skipped_drafts(ids)
+        k = policy.choose_budget(d)
+        assert k == 0 and policy.plan_verification(d, k) == [0, 0]
+        policy.observe(step_of(ids, [0, 0], [0, 0]))
+    probes = [i + 1 for i, lengths in enumerate(asked) if any(lengths)]
+    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY]
+    assert all(lengths == [3, 3] for lengths in asked if any(lengths))
+
+
+def test_rows_without_drafts_leave_the_history_alone() -> None:
+    # Regression: a row with nothing drafted (a skipped round, or DSpark's first step before
+    # the target has produced hidden rows) was stored as zero survivals, and two steps later
+    # it counted as "never accepted".
+    cost = CostModel.linear(1.0, 0.3)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    fresh = (drafts_of([[0.95, 0.95, 0.95]], ids), drafts_of([[0.5, 0.5, 0.5]], ids))
+    for d in fresh + (skipped_drafts(ids), skipped_drafts(ids)):
+        policy.draft_lengths([3], ids)
+        k = policy.choose_budget(d)
+        policy.plan_verification(d, k)
+    # The ring still holds the two fresh rows (two steps back: the 0.95s), not zero rows.
+    torch.testing.assert_close(policy.stale_survivals(ids)[0],
+                               survivals_of(torch.tensor([[0.95] * 3], dtype=torch.float64))[0], rtol=0, atol=1e-12)
+
+
+def test_parallel_round_cost_is_charged_only_when_something_is_verified() -> None:
+    # Verification is free here; only the drafting round costs. R = 1 with survival .9 at
+    # every position: K = 3 earns 1 + .9 + .81 + .729 = 3.44 tokens for 1 + round seconds.
+    conf = torch.full((1, 3), 0.9, dtype=torch.float64)
+    for round_cost, expected in ((0.5, 3), (3.0, 0)):
+        cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(round_cost,))
+        policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+        assert policy.best_budget(survivals_of(conf), [3]) == expected
