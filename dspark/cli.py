@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from dspark.config import ServeConfig
 from dspark.sampling_params import SamplingParams
@@ -41,6 +42,31 @@ def _params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", default=None,
+                   help="with --server: file holding the bearer token (else $DSPARK_AUTH_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="with --server: TLS with the system roots")
+    p.add_argument("--ca-file", default=None, help="with --server: PEM roots to trust (TLS)")
+    p.add_argument("--client-cert-file", default=None, help="with --server: mutual TLS chain")
+    p.add_argument("--client-key-file", default=None, help="with --server: mutual TLS key")
+
+
+def _client_security(a: argparse.Namespace) -> dict[str, Any]:
+    """Client keyword arguments from the generate flags; unreadable files fail by name."""
+    def read(path: str | None) -> bytes | None:
+        return None if path is None else Path(path).read_bytes()
+
+    token = None
+    if a.token_file is not None:
+        lines = Path(a.token_file).read_text().split()
+        if not lines:
+            raise ValueError(f"--token-file {a.token_file}: empty")
+        token = lines[0]
+    return {"token": token, "tls": a.tls, "root_certificates": read(a.ca_file),
+            "private_key": read(a.client_key_file),
+            "certificate_chain": read(a.client_cert_file)}
+
+
 def _engine(a: argparse.Namespace):  # noqa: ANN202 - Engine imported lazily (torch start-up)
     import torch
 
@@ -58,7 +84,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from dspark.errors import DSparkError
 
         try:
-            with Client(a.server, timeout=a.timeout) as client:
+            with Client(a.server, timeout=a.timeout, **_client_security(a)) as client:
                 out = client.generate(a.prompt, _params(a))
         except DSparkError as e:
             if isinstance(e, ValueError):
@@ -121,8 +147,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from dspark.coordinator.engine import Engine
     from dspark.coordinator.profiler import plot, profile_workers
 
-    engine = Engine(target=a.target, proposer="draft-model", drafter=a.drafter, policy="fixed")
-    cost = profile_workers(engine.target, engine.proposer, b_max=a.b_max, n_max=a.n_max,
+    engine = Engine(target=a.target, proposer=a.proposer, drafter=a.drafter, policy="fixed")
+    proposer = None if a.proposer == "none" else engine.proposer
+    cost = profile_workers(engine.target, proposer, b_max=a.b_max, n_max=a.n_max,
                            repeats=a.repeats)
     out = Path(a.out)
     cost.save(out / "cost_model.json")
@@ -249,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=None,
                    help="generate on the dspark server at HOST:PORT (engine options are ignored)")
     p.add_argument("--timeout", type=float, default=None, help="with --server: deadline in seconds")
+    _client_args(p)
     _engine_args(p)
     _sampling_args(p)
     p.set_defaults(fn=cmd_generate)
@@ -279,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure the step-cost model (verify and draft) and plot it")
     p.add_argument("--target")
+    p.add_argument("--proposer", choices=["dspark", "draft-model", "ngram", "none"],
+                   default="draft-model", help="whose drafting rounds are timed")
     p.add_argument("--drafter")
     p.add_argument("--b-max", type=int, default=128)
     p.add_argument("--n-max", type=int, default=64)

@@ -232,6 +232,10 @@ def train_drafter(
         gen.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         step, log = state["step"], state["log"]
+        if log["config"] != asdict(cfg):
+            # A resumed run may change settings (e.g. more steps): the log keeps every change.
+            log.setdefault("resumes", []).append({"step": step, "previous_config": log["config"]})
+            log["config"] = asdict(cfg)
         logger.info("resumed from step %d", step)
     bar = tqdm(
         range(step, cfg.steps),

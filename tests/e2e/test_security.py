@@ -13,6 +13,7 @@ import ast
 import asyncio
 import datetime
 import ipaddress
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import dspark
 from dspark import errors
+from dspark.cli import main as cli_main
 from dspark.config import ServeConfig
 from dspark.coordinator.auth import security_from_config
 from dspark.coordinator.engine import Engine
@@ -259,8 +261,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_tls_with_the_ca_served_plaintext_refused(
-    pki: dict[str, Path], token_file: Path, engine: Engine
+    pki: dict[str, Path], token_file: Path, engine: Engine, capsys, monkeypatch
 ) -> None:
+    monkeypatch.delenv("DSPARK_AUTH_TOKEN", raising=False)
     cfg = _config(
         tls_cert_file=str(pki["server-cert"]),
         tls_key_file=str(pki["server-key"]),
@@ -291,6 +294,13 @@ def test_tls_with_the_ca_served_plaintext_refused(
                 return len((await ac.generate("import os\n", PARAMS)).token_ids)
 
         assert asyncio.run(run()) >= 1
+        # The CLI speaks the same: a token file and the CA file, else a clear error and exit 1.
+        base = ["generate", "--server", svc.address, "--prompt", "import os\n", "--max-tokens",
+                "4", "--json", "--timeout", "30"]
+        assert cli_main(base + ["--token-file", str(token_file), "--ca-file", str(pki["ca"])]) == 0
+        assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+        assert cli_main(base + ["--ca-file", str(pki["ca"])]) == 1  # no token
+        assert "missing bearer token" in capsys.readouterr().err
     finally:
         svc.stop()
 
