@@ -356,12 +356,16 @@ class Engine:
         lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled)
         queries = []
         for r, n in zip(reqs, lengths):
+            if n == 0:
+                # Nothing to draft: new tokens and hidden rows wait here and go out together
+                # with the next query that drafts, so an idle drafter costs (almost) nothing.
+                queries.append(DraftQuery(r.req_id, (), 0, None))
+                continue
             sent = self._sent_to_drafter[r.req_id]
             rows = self._pending_hidden.pop(r.req_id, None)
             hidden = torch.cat(rows) if rows else None
             queries.append(DraftQuery(r.req_id, r.tokens_from(sent), n, hidden))
             self._sent_to_drafter[r.req_id] = r.num_tokens
-        # Called even when no request wants drafts: the proposer still learns the new tokens.
         drafts = self.tracker.fill(self.proposer.propose(queries))
         budget = self.policy.choose_budget(drafts)
         planned = self.policy.plan_verification(drafts, budget)

@@ -180,3 +180,28 @@ def test_no_drafts_until_the_context_is_complete(tiny_dspark) -> None:
     second = engine.step()
     assert second is not None and second.requests[0].num_drafted == 7
     assert engine.proposer.context_length("req-0") == 3  # prompt positions 0..2; anchor at 3
+
+
+def test_an_idle_drafter_is_sent_nothing_until_it_drafts_again(tiny_dspark) -> None:
+    """Steps that draft nothing send no tokens and no hidden rows (they wait in the engine);
+    the next query that drafts carries all of them, and the context is then complete."""
+    target_dir, drafter_dir = tiny_dspark
+    engine = Engine(target_dir, proposer="dspark", drafter=drafter_dir, policy="fixed", k=3)
+    engine.policy.draft_lengths = lambda caps, ids, sampled=False: [  # type: ignore[method-assign]
+        0 if 1 <= engine._step_no <= 4 else min(3, c) for c in caps]
+    sent = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda queries: (sent.append(queries), propose(queries))[1]
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    idle = [q[0] for q in sent[1:5]]
+    assert all(q.num_drafts == 0 and q.new_token_ids == () and q.new_hidden is None for q in idle)
+    resumed = sent[5][0]
+    req = engine._running["req-0"]
+    assert resumed.num_drafts == 3 and resumed.new_hidden is not None
+    # Four idle steps' tokens plus step 1's; their rows plus the prompt's (returned by step 1).
+    assert len(resumed.new_token_ids) == 5 and resumed.new_hidden.shape[0] == 3 + 4
+    check_request(engine, "req-0")
+    assert engine.proposer.context_length("req-0") + sum(
+        r.shape[0] for r in engine._pending_hidden.get("req-0", [])) == req.target_length
