@@ -92,6 +92,29 @@ def main() -> None:
         )
         + "\n"
     )
+    plot(results, out / "bench_drafters.png")
+    print(f"wrote {out / 'bench_drafters.json'} and {out / 'bench_drafters.png'}")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Conditional acceptance per draft position, one panel per temperature, τ in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), sharey=True)
+    for ax, (setting, arms) in zip(axes, results.items()):
+        for arm, r in arms.items():
+            ax.plot(range(1, GAMMA + 1), r["acceptance"], "o-", label=f"{arm} (τ {r['tau']:.2f})")
+        ax.set_title(f"{setting}: acceptance per position")
+        ax.set_xlabel("draft position j")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("P(x_j accepted | x_<j accepted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("bench-policies", help="policies side by side across requests in flight")
-    p.add_argument("--proposer", default="draft-model")
+    p.add_argument("--proposer", choices=["dspark", "draft-model", "ngram"], default="dspark")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell (median)")
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure the step-cost model (verify and draft) and plot it")
     p.add_argument("--target")
     p.add_argument("--proposer", choices=["dspark", "draft-model", "ngram", "none"],
-                   default="draft-model", help="whose drafting rounds are timed")
+                   default="dspark", help="whose drafting rounds are timed")
     p.add_argument("--drafter")
     p.add_argument("--b-max", type=int, default=128)
     p.add_argument("--n-max", type=int, default=64)
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="fit STS temperatures of a DSpark drafter's confidence head")
     p.add_argument("--drafter", required=True)
     p.add_argument("--target", required=True)
-    p.add_argument("--num-windows", type=int, default=256, help="held-out windows per split (x8 blocks)")
+    p.add_argument("--num-windows", type=int, default=768, help="held-out windows per split (x8 blocks)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="reliability diagram PNG (default DRAFTER/reliability.png)")

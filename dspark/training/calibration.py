@@ -121,7 +121,7 @@ def calibrate(
     drafter_dir: str | Path,
     target_dir: str | Path,
     *,
-    num_windows: int = 256,
+    num_windows: int = 768,
     anchors_per_window: int = 8,
     temperature: float = 1.0,
     seed: int = 0,
