@@ -35,7 +35,8 @@ from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
-PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps
+PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
+PROBE_REQUESTS = 4  # ... for this many requests of the batch, in turn (a round costs ~R)
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,15 @@ class BudgetedPolicy(Policy):
         if not self.sequential_drafts:
             # A parallel drafter (DSpark) pays the same for γ drafts as for one: draft the whole
             # block, so the step observes fresh confidences for the history. When the budget is
-            # 0 the round is skipped, except every PROBE_EVERY steps, which keeps the history
-            # (and so the budget) following the drafter's acceptance.
-            if self._budget == 0 and self._steps % PROBE_EVERY:
+            # 0 the round is skipped, except every PROBE_EVERY steps for PROBE_REQUESTS requests
+            # in turn, which keeps the history (and so the budget) following the drafter.
+            if self._budget > 0:
+                return limits
+            if self._steps % PROBE_EVERY:
                 return [0] * len(limits)
-            return limits
+            start = (self._steps // PROBE_EVERY * PROBE_REQUESTS) % max(1, len(limits))
+            chosen = {(start + i) % len(limits) for i in range(min(PROBE_REQUESTS, len(limits)))}
+            return [n if i in chosen else 0 for i, n in enumerate(limits)]
         return [min(n, self._budget) for n in limits]
 
     def choose_budget(self, drafts: Drafts) -> int:

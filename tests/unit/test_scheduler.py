@@ -176,7 +176,25 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
         policy.observe(step_of(ids, [0, 0], [0, 0]))
     probes = [i + 1 for i, lengths in enumerate(asked) if any(lengths)]
     assert probes == [PROBE_EVERY, 2 * PROBE_EVERY]
-    assert all(lengths == [3, 3] for lengths in asked if any(lengths))
+    assert all(lengths == [3, 3] for lengths in asked if any(lengths))  # 2 <= PROBE_REQUESTS
+
+
+def test_probes_of_a_large_batch_take_a_few_requests_in_turn() -> None:
+    from dspark.coordinator.scheduler import PROBE_EVERY, PROBE_REQUESTS
+
+    policy = make_policy("confidence", 3, CostModel.linear(1.0, 2.0), AcceptanceTracker(3),
+                         a_priori=False)
+    ids = tuple(f"r{i}" for i in range(3 * PROBE_REQUESTS))
+    probed = []
+    for _ in range(3 * PROBE_EVERY):
+        lengths = policy.draft_lengths([3] * len(ids), ids)
+        d = drafts_of([[0.9] * 3] * len(ids), ids) if any(lengths) else skipped_drafts(ids)
+        d = Drafts(ids, d.token_ids, torch.tensor(lengths), None, d.confidences)
+        policy.plan_verification(d, policy.choose_budget(d))
+        if any(lengths):
+            probed.append({i for i, n in enumerate(lengths) if n})
+    assert [len(p) for p in probed] == [PROBE_REQUESTS] * 3
+    assert set().union(*probed) == set(range(len(ids)))  # every request in turn
 
 
 def test_rows_without_drafts_leave_the_history_alone() -> None:
