@@ -1,7 +1,7 @@
 """Validate the fleet simulator against the real engine on this machine (issue 8).
 
 One run (a few minutes):
-1. load the demo models with `Engine()`'s defaults (demo target, draft-model proposer, `fixed`
+1. load the demo models (demo target, draft-model proposer, `fixed`
    policy, k = 4);
 2. calibrate the engine's CPU overhead per request and step (scheduling, commit, the drafter's
    Python loop): 2 and 8 requests in flight on other prompts (held out from step 3); the CPU
@@ -56,7 +56,7 @@ from dspark.sampling_params import SamplingParams  # noqa: E402
 from dspark.training.prompts import load_prompts  # noqa: E402
 
 logger = logging.getLogger("validate_simulator")
-K = 4  # Engine()'s default k
+K = 4  # drafts per request (fixed)
 
 
 @contextmanager
@@ -190,7 +190,7 @@ def main() -> int:
     torch.set_num_threads(1)
     runs = Path(a.runs)
     prompts = load_prompts(heldout_prompts_path())
-    engine = Engine()  # demo target, draft-model proposer, fixed k = 4
+    engine = Engine(proposer="draft-model", policy="fixed", k=K)
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))  # warm-up
 
     # Held-out calibration of the per-step overhead: other prompts, other concurrencies.
@@ -232,7 +232,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim_validation.json").write_text(json.dumps({
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_simulator.py",
-        "engine": "Engine() defaults: demo target, draft-model, fixed k=4; greedy, ignore_eos",
+        "engine": "demo target, draft-model, fixed k=4; greedy, ignore_eos",
         "max_tokens": a.max_tokens,
         "cost_models": str(runs / "cost_model_<in flight>.json"),
         "overhead_s": {"per_step": overhead[0], "per_request": overhead[1]},

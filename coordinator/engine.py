@@ -48,6 +48,10 @@ from dspark.target_worker.runner import TargetRunner
 logger = logging.getLogger(__name__)
 
 PROPOSERS = ("dspark", "draft-model", "ngram", "none")
+DEFAULT_PROPOSER = "dspark"  # the shipped DSpark drafter: highest τ of the demo drafters
+# Drafts per request per step when k is not given: DSpark's one block pass costs the same for
+# its whole block (γ = 7) as for fewer; a sequential draft model pays per position.
+DEFAULT_K = {"dspark": 7}
 
 
 class TargetWorker(Protocol):
@@ -138,11 +142,11 @@ class Engine:
         trace: TraceRecorder | None = None,
     ) -> None:
         target_dir = Path(target) if target is not None else demo_path("target")
-        proposer = proposer or "draft-model"
+        proposer = proposer or DEFAULT_PROPOSER
         if proposer not in PROPOSERS:
             raise ValueError(f"proposer={proposer!r}: choose one of {list(PROPOSERS)}")
         policy = policy or ("off" if proposer == "none" else "fixed")
-        k = 4 if k is None else k
+        k = DEFAULT_K.get(proposer, 4) if k is None else k
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         self.tokenizer = Tokenizer(target_dir)

@@ -81,7 +81,7 @@ def connect(address: str | None = None, num_cpus: int | None = None,
 
 def build_ray_workers(
     target_dir: str | Path | None = None,
-    proposer: str = "draft-model",
+    proposer: str = "dspark",
     drafter_dir: str | Path | None = None,
     tp: int = 1,
     num_draft_actors: int = 2,
@@ -123,7 +123,7 @@ def build_ray_workers(
 
 
 def build_draft_pool(
-    proposer: str = "draft-model",
+    proposer: str = "dspark",
     drafter_dir: str | Path | None = None,
     target_dir: str | Path | None = None,
     num_actors: int = 2,

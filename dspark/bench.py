@@ -31,6 +31,8 @@ class Arm:
 
 CORE_ARMS = (
     Arm("off", "none", "off", 1),
+    Arm("dspark k=3", "dspark", "fixed", 3),
+    Arm("dspark k=7", "dspark", "fixed", 7),
     Arm("draft-model k=3", "draft-model", "fixed", 3),
     Arm("draft-model k=7", "draft-model", "fixed", 7),
     Arm("ngram k=3", "ngram", "fixed", 3),
@@ -164,7 +166,7 @@ POLICY_ARMS = (
 )
 
 
-def run_policy_bench(proposer: str = "draft-model", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
+def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
                      out_dir: Path = Path("runs/bench_policies"), repeats: int = 3) -> dict:
     """Policies side by side at several numbers of requests in flight (closed loop).

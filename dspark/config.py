@@ -45,12 +45,12 @@ class ServeConfig:
     )
     num_draft_actors: int = _doc(1, "draft actors in the Ray draft pool")
     target: str | None = _doc(None, "target HF directory (default: the shipped demo target)")
-    proposer: Proposer = _doc("draft-model", "who drafts")
+    proposer: Proposer = _doc("dspark", "who drafts")
     drafter: str | None = _doc(None, "drafter checkpoint directory (default: the shipped demo one)")
     policy: PolicyName | None = _doc(
         None, "verification policy (default: fixed; off for proposer none)"
     )
-    k: int | None = _doc(None, "most drafts per request per step (default 4)")
+    k: int | None = _doc(None, "most drafts per request per step (default: 7 dspark, else 4)")
     dtype: DType = _doc("float32", "weights and KV-cache dtype")
     max_num_seqs: int = _doc(64, "requests in the running batch at most")
     num_blocks: int = _doc(4096, "KV-cache blocks per worker")
