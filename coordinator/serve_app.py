@@ -31,20 +31,6 @@ def parse_serve_args(serve_args: str) -> ServeConfig:
     return ServeConfig.from_arguments(ns)
 
 
-def grpc_health_serving(address: str, timeout: float = 2.0) -> bool:
-    """The standard grpc.health.v1 check of the coordinator's own server."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 @serve.deployment(name="Coordinator", num_replicas=1, health_check_period_s=10)
 class Coordinator:
     def __init__(self, serve_args: str) -> None:
@@ -53,8 +39,9 @@ class Coordinator:
         self.service = start_service(parse_serve_args(serve_args))
 
     def check_health(self) -> None:
-        """Serve calls this; raising marks the replica unhealthy and restarts it."""
-        if not grpc_health_serving(self.service.address):
+        """Serve calls this; raising marks the replica unhealthy and restarts it. It reads the
+        server's own health state, so it works whatever TLS or token the port requires."""
+        if not self.service.server.is_serving():
             raise RuntimeError(f"dspark coordinator at {self.service.address} is not serving")
 
     def address(self) -> str:

@@ -282,6 +282,7 @@ class Server:
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._stop_requested: asyncio.Event | None = None
         self._health: health_aio.HealthServicer | None = None
+        self._serving = False  # what the health service says, readable from any thread
 
     @property
     def address(self) -> str:
@@ -312,6 +313,11 @@ class Server:
             self._aio_loop.call_soon_threadsafe(self._stop_requested.set)
             self._thread.join()
         self.loop.stop()
+
+    def is_serving(self) -> bool:
+        """The health service's answer (SERVING) without a network round trip: True once the
+        port is bound, until an engine failure or the start of a drain."""
+        return self._serving and self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped (or `timeout` passed); True if it has."""
@@ -362,6 +368,7 @@ class Server:
         await server.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
         self.loop.on_failure(self._set_not_serving)
         self._ready.set()
         await self._stop_requested.wait()
@@ -370,6 +377,7 @@ class Server:
     async def _drain(self, server: grpc.aio.Server) -> None:
         assert self._health is not None and self.servicer is not None
         start = time.monotonic()
+        self._serving = False
         self.servicer.drain()
         await self._health.enter_graceful_shutdown()
         logger.info(
@@ -384,6 +392,7 @@ class Server:
     def _set_not_serving(self, message: str) -> None:
         # Called on the engine-loop thread: hop to the server's loop.
         assert self._aio_loop is not None and self._health is not None
+        self._serving = False
         health = self._health
         for name in ("", SERVICE_NAME):
             asyncio.run_coroutine_threadsafe(

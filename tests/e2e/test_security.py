@@ -278,10 +278,12 @@ def test_tls_with_the_ca_served_plaintext_refused(
         with dspark.Client(svc.address, timeout=30, token="-", root_certificates=ca) as client:
             with pytest.raises(errors.Unauthenticated):
                 client.generate("import os\n", PARAMS)
-        # A plaintext client cannot talk to a TLS port.
+        # A plaintext client cannot talk to a TLS port; the RayService replica's health check
+        # reads the server's own state, so it still sees it serving.
         with dspark.Client(svc.address, timeout=5, token=TOKEN) as client:
             with pytest.raises(errors.Unavailable):
                 client.generate("import os\n", PARAMS)
+        assert svc.server.is_serving()
         # A client that does not trust the CA (system roots only) refuses the certificate.
         with dspark.Client(svc.address, timeout=5, token=TOKEN, tls=True) as client:
             with pytest.raises(errors.Unavailable):
