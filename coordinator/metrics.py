@@ -154,6 +154,12 @@ class ServeMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.request_refused = Counter(
+            "dspark:request_refused",
+            "Generate calls refused before being served, by gRPC status code.",
+            ["code"],
+            registry=r,
+        )
         self._http: object | None = None
 
     # --- observers (engine-loop thread) ---------------------------------------------------
@@ -197,6 +203,10 @@ class ServeMetrics:
             return
         for _ in range(num_tokens):
             self.inter_token.observe(since_last / num_tokens)
+
+    def observe_refused(self, code: str) -> None:
+        """A call answered with an error status before any token (server's asyncio loop)."""
+        self.request_refused.labels(code=code).inc()
 
     def observe_finished(self, finish_reason: str, num_prompt_tokens: int, seconds: float) -> None:
         self.request_success.labels(finish_reason=finish_reason).inc()

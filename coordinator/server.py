@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,8 +71,10 @@ class DSparkServicer(pb_grpc.DSparkServicer):
         checker: RequestChecker,
         max_in_flight: int,
         encode: Callable[[str], Sequence[int]],
+        metrics: ServeMetrics | None = None,
     ) -> None:
         self._loop = loop
+        self._metrics = metrics
         self._info = info
         self._encode = encode  # the target's tokenizer: stateless, safe on any thread
         self._checker = checker
@@ -103,17 +105,20 @@ class DSparkServicer(pb_grpc.DSparkServicer):
         self, request: pb.GenerateRequest | MalformedMessage, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateChunk]:
         if self._draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server is draining (shutting down): retry elsewhere"
+            await self._refuse(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "server is draining (shutting down): retry elsewhere",
             )
         try:
             prompt, params = self._decode(request)
         except DSparkError as e:
-            await context.abort(grpc.StatusCode[e.code], e.details)
+            await self._refuse(context, grpc.StatusCode[e.code], e.details)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self._in_flight >= self._max_in_flight:
-            await context.abort(
+            await self._refuse(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._in_flight} requests in flight, the most this server admits "
                 f"(max_in_flight {self._max_in_flight}): retry later",
@@ -128,6 +133,15 @@ class DSparkServicer(pb_grpc.DSparkServicer):
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
+    ) -> NoReturn:
+        """End a Generate call that was never served, counted by status (`request_refused`)."""
+        if self._metrics is not None:
+            self._metrics.observe_refused(code.name)
+        await context.abort(code, details)
+        raise AssertionError("unreachable: context.abort raises")
 
     def _decode(self, request: pb.GenerateRequest | MalformedMessage) -> tuple[Any, SamplingParams]:
         """(prompt, params) of a well-formed request within limits; raises DSparkError or
@@ -152,7 +166,7 @@ class DSparkServicer(pb_grpc.DSparkServicer):
         try:
             self._checker.check_prompt(ids, "text")
         except DSparkError as e:
-            await context.abort(grpc.StatusCode[e.code], e.details)
+            await self._refuse(context, grpc.StatusCode[e.code], e.details)
         return ids
 
     async def _stream(
@@ -174,7 +188,7 @@ class DSparkServicer(pb_grpc.DSparkServicer):
             event = await events.get()
             if isinstance(event, Rejected):
                 finished = True
-                await context.abort(grpc.StatusCode[event.code], event.message)
+                await self._refuse(context, grpc.StatusCode[event.code], event.message)
             if isinstance(event, Failed):
                 finished = True
                 await context.abort(grpc.StatusCode[event.code], event.message)
@@ -346,7 +360,8 @@ class Server:
             options=[("grpc.max_receive_message_length", self.limits.max_message_bytes)],
         )
         self.servicer = DSparkServicer(
-            self.loop, self._info, self.checker, self.limits.max_in_flight, self._encode
+            self.loop, self._info, self.checker, self.limits.max_in_flight, self._encode,
+            self.metrics,
         )
         add_dspark_service(self.servicer, server)
         self._health = health_aio.HealthServicer()

@@ -337,6 +337,24 @@ def test_metrics_counters_move(client: dspark.Client, service: Service, prompts,
     assert after["dspark:num_requests_running"] == 0 and after["dspark:num_requests_waiting"] == 0
 
 
+def test_refused_calls_are_counted_by_status(client: dspark.Client, service: Service) -> None:
+    """Calls answered with an error before any token count in `request_refused` by code, and
+    nowhere in the served-request counters."""
+    before = _scrape(service)
+    with pytest.raises(dspark.errors.InvalidArgument):
+        client.generate("import os\n", {"temperature": -1.0, "max_tokens": 4})
+    with pytest.raises(dspark.errors.OutOfRange):
+        client.generate([1] * 100_000, {"max_tokens": 4})
+    after = _scrape(service)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("dspark:request_refused_total{code=INVALID_ARGUMENT}") == 1
+    assert delta("dspark:request_refused_total{code=OUT_OF_RANGE}") == 1
+    assert delta("dspark:e2e_request_latency_seconds_count") == 0
+
+
 # --- shutdown -------------------------------------------------------------------------------
 def test_stop_finishes_in_flight_calls_within_grace_then_refuses(engine_kwargs) -> None:
     """A call in flight when stop() begins completes (grace 30 s); a later one is refused."""
