@@ -54,6 +54,13 @@ DEFAULT_PROPOSER = "dspark"  # the shipped DSpark drafter: highest τ of the dem
 DEFAULT_K = {"dspark": 7}
 
 
+def drafter_dir(proposer: str, drafter: str | Path | None) -> Path | None:
+    """The checkpoint of a proposer that has one: `drafter`, else the shipped demo one."""
+    if proposer not in ("dspark", "draft-model"):
+        return None
+    return Path(drafter) if drafter is not None else demo_path(proposer)
+
+
 class TargetWorker(Protocol):
     """What the coordinator needs from the target side, local or behind Ray."""
 
@@ -196,10 +203,10 @@ class Engine:
             return NoProposer()
         if name == "ngram":
             return NgramProposer()
+        path = drafter_dir(name, drafter)
+        assert path is not None, name
         if name == "dspark":
-            path = Path(drafter) if drafter is not None else demo_path("dspark")
             return DSparkProposer(path, target_dir, num_blocks, block_size, dtype)
-        path = Path(drafter) if drafter is not None else demo_path("draft-model")
         return DraftModelProposer(path, num_blocks, block_size, dtype)
 
     def _cost_model(self, policy: str, given: CostModel | str | Path | None, target_dir: Path,
@@ -216,11 +223,8 @@ class Engine:
         # The profile times the workers' own verbs, so remote pools are profiled with their
         # transport; the cache key tells the layouts apart.
         name = getattr(self.proposer, "name", "none")
-        draft_dir = None
-        if name in ("dspark", "draft-model"):
-            draft_dir = Path(drafter) if drafter is not None else demo_path(name)
         layout = f"{type(self.target).__name__}-tp{getattr(self.target, 'tp', 1)}"
-        return load_or_profile(target_dir, draft_dir, self.target,
+        return load_or_profile(target_dir, drafter_dir(name, drafter), self.target,
                                None if name == "none" else self.proposer, profile_dir,
                                layout=layout, block=k)
 

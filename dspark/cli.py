@@ -215,9 +215,9 @@ def cmd_train_demo(a: argparse.Namespace) -> int:
     return 0
 
 
-# The shipped DSpark drafter's recipe: a first run, then a longer one that starts from its
-# weights with a fresh schedule (how it was made; see its training_log.json), then STS.
-DEMO_DRAFTER_RUNS = ((850, None), (6000, "first"))
+# The shipped DSpark drafter's recipe (see its training_log.json): a first run, a longer one
+# that starts from its weights with a fresh schedule, then STS.
+DEMO_DRAFTER_STEPS = (850, 6000)
 
 
 def _train_demo_drafter(demo: Path, work_dir: Path) -> None:
@@ -226,17 +226,15 @@ def _train_demo_drafter(demo: Path, work_dir: Path) -> None:
     from dspark.training.calibration import calibrate
     from dspark.training.drafter_training import DrafterTrainConfig, train_drafter
 
-    out = {"first": work_dir / "dspark-first", "final": work_dir / "dspark"}
-    for (steps, init), name in zip(DEMO_DRAFTER_RUNS, ("first", "final")):
-        cfg = DrafterTrainConfig(steps=steps, eval_every=500,
-                                 init_from=None if init is None else str(out[init]))
-        train_drafter(demo / "target", out[name], cfg)
-    calibrate(out["final"], demo / "target", plot=out["final"] / "reliability.png")
-    shipped = demo / "dspark"
-    shipped.mkdir(exist_ok=True)
-    for f in out["final"].iterdir():
+    first, final = work_dir / "dspark-first", work_dir / "dspark"
+    train_drafter(demo / "target", first, DrafterTrainConfig(steps=DEMO_DRAFTER_STEPS[0]))
+    train_drafter(demo / "target", final, DrafterTrainConfig(
+        steps=DEMO_DRAFTER_STEPS[1], eval_every=500, init_from=str(first)))
+    calibrate(final, demo / "target", plot=final / "reliability.png")
+    (demo / "dspark").mkdir(exist_ok=True)
+    for f in final.iterdir():
         if f.is_file():
-            shutil.copy(f, shipped / f.name)
+            shutil.copy(f, demo / "dspark" / f.name)
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
