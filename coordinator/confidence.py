@@ -15,11 +15,17 @@ Only the last `window` outcomes per queue count (a request's text can change cha
 
 Tracked confidences never depend on the current drafts' tokens, so they can be used before
 drafting (the draft model then drafts no more than the scheduler can admit).
+
+A head's confidences are calibrated offline (STS on held-out text); live traffic differs (at
+T = 1 the context is the target's own samples, not the corpus), so `DriftCorrection` rescales
+them online by how often the slots it predicted were really accepted, greedy and sampled
+requests apart.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -49,12 +55,64 @@ class _Queue:
         return len(self.outcomes)
 
 
+DRIFT_WINDOW = 512  # reached slots per position the drift correction remembers
+DRIFT_PRIOR = 4.0  # pseudo-slots at ratio 1: a new deployment trusts the offline calibration
+
+
+class DriftCorrection:
+    """Online correction of a confidence head for the drift between its calibration data and
+    live traffic.
+
+    Per position j and per kind of request (greedy, sampled), over the last DRIFT_WINDOW reached
+    slots (verified, with drafts 1..j−1 accepted): the ratio of accepted drafts to the head's
+    predicted conditional confidences,
+        ρ_j = (Σ accepted + w) / (Σ c_j + w),   w = DRIFT_PRIOR,
+    and the scheduler reads c'_j = min(1, ρ_j · c_j). ρ depends on past steps only, never on the
+    current drafts, so the prefix rule (DESIGN.md §3) holds, and survivals of c' still never grow
+    with j. The ratio is measured on the slots the scheduler chose, so it also absorbs the
+    optimism of choosing the highest estimates.
+    """
+
+    def __init__(self, max_draft: int, window: int = DRIFT_WINDOW) -> None:
+        self.max_draft = max_draft
+        # kind (sampled?) -> position -> last `window` (c_j, accepted) pairs and their sums
+        self._slots: dict[bool, list[deque[tuple[float, int]]]] = {
+            kind: [deque(maxlen=window) for _ in range(max_draft)] for kind in (False, True)}
+        self._sums = {kind: [[0.0, 0.0] for _ in range(max_draft)] for kind in (False, True)}
+
+    def ratios(self, sampled: bool) -> list[float]:
+        """ρ_1..ρ_γ for greedy (False) or sampled (True) requests."""
+        return [(acc + DRIFT_PRIOR) / (pred + DRIFT_PRIOR) for pred, acc in self._sums[sampled]]
+
+    def correct(self, confidences: torch.Tensor, sampled: Sequence[bool]) -> torch.Tensor:
+        """c' = min(1, ρ·c) row by row. confidences: [num_reqs, max_draft]"""
+        width = confidences.shape[1]
+        rows = [self.ratios(bool(s))[:width] for s in sampled]
+        rho = torch.tensor(rows, dtype=torch.float64).view(len(rows), width)
+        return (confidences.to(torch.float64) * rho).clamp(max=1.0)
+
+    def add(self, sampled: bool, position: int, confidence: float, accepted: bool) -> None:
+        """One reached slot at `position` (0-based) with the head's raw conditional confidence."""
+        slots, sums = self._slots[sampled][position], self._sums[sampled][position]
+        if len(slots) == slots.maxlen:
+            old_c, old_a = slots[0]
+            sums[0] -= old_c
+            sums[1] -= old_a
+        slots.append((confidence, int(accepted)))
+        sums[0] += confidence
+        sums[1] += int(accepted)
+
+
 class AcceptanceTracker:
-    def __init__(self, max_draft: int, window: int = 256, request_window: int = 32) -> None:
+    def __init__(self, max_draft: int, window: int = 256, request_window: int = 32,
+                 correct_drift: bool = True) -> None:
         self.max_draft = max_draft
         self._global = [_Queue(window) for _ in range(max_draft)]
         self._requests: dict[str, list[_Queue]] = {}
         self._request_window = request_window
+        self.drift = DriftCorrection(max_draft) if correct_drift else None
+        # req_id -> (sampled?, the head's raw confidences) of the step in flight
+        self._raw: dict[str, tuple[bool, list[float]]] = {}
 
     def _global_list(self) -> list[float]:
         return [
@@ -82,10 +140,17 @@ class AcceptanceTracker:
             return torch.zeros(0, self.max_draft, dtype=torch.float64)
         return torch.tensor(rows, dtype=torch.float64)
 
-    def fill(self, drafts: Drafts) -> Drafts:
-        """Drafts with confidences: the proposer's own if it has a head, else tracked rates."""
+    def fill(self, drafts: Drafts, sampled: Sequence[bool] | None = None) -> Drafts:
+        """Drafts with confidences: the proposer's head's (drift-corrected), else tracked rates.
+        `sampled[i]` says whether request i samples (temperature > 0); None: all greedy."""
         if drafts.confidences is not None:
-            return drafts
+            if self.drift is None:
+                return drafts
+            kinds = [False] * len(drafts.req_ids) if sampled is None else list(sampled)
+            assert len(kinds) == len(drafts.req_ids), (len(kinds), len(drafts.req_ids))
+            raw = drafts.confidences.to(torch.float64)
+            self._raw = {r: (k, row) for r, k, row in zip(drafts.req_ids, kinds, raw.tolist())}
+            return replace(drafts, confidences=self.drift.correct(raw, kinds))
         width = drafts.token_ids.shape[1]
         conf = self.rates(drafts.req_ids)[:, :width] if width else torch.zeros(len(drafts.req_ids), 0)
         return replace(drafts, confidences=conf.to(torch.float64))
@@ -96,12 +161,16 @@ class AcceptanceTracker:
                 s.req_id, [_Queue(self._request_window) for _ in range(self.max_draft)]
             )
             # Positions 1..A+1 were reached (A accepted, then the first rejection, if ℓ > A).
+            head = self._raw.get(s.req_id)
             for j in range(min(s.num_planned, s.num_accepted + 1)):
                 accepted = j < s.num_accepted
                 queues[j].add(accepted)
                 self._global[j].add(accepted)
+                if head is not None and self.drift is not None:
+                    self.drift.add(head[0], j, head[1][j], accepted)
             if s.finish_reason is not None:
                 self._requests.pop(s.req_id, None)
+        self._raw = {}
 
     def release(self, req_id: str) -> None:
         self._requests.pop(req_id, None)

@@ -374,7 +374,9 @@ class Engine:
             hidden = torch.cat(rows) if rows else None
             queries.append(DraftQuery(r.req_id, r.tokens_from(sent), n, hidden))
             self._sent_to_drafter[r.req_id] = r.num_tokens
-        drafts = self.tracker.fill(self.proposer.propose(queries))
+        drafts = self.proposer.propose(queries)
+        drafts = self.tracker.fill(drafts, [self._running[i].params.temperature > 0
+                                            for i in drafts.req_ids])
         budget = self.policy.choose_budget(drafts)
         planned = self.policy.plan_verification(drafts, budget)
         plan = self._plan(reqs, drafts, planned, budget)
@@ -395,6 +397,7 @@ class Engine:
         self.tracker.observe(state)
         self.policy.observe(state)
         self._record(state, drafts, planned, start)
+        self.policy.observe_time(time.perf_counter() - start)
         return state
 
     def _record(self, state: StepState, drafts: Drafts, planned: list[int], start: float) -> None:

@@ -70,7 +70,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v2"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v3"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -84,10 +84,10 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
     after `context` cached tokens, acceptance included. Drafting rounds over n requests are
     timed after CATCH_UP new committed tokens (with their target hidden rows for a drafter that
     reads them), greedy and at temperature 1:
-    - a proposer that drafts one position per forward (`sequential_drafts`): with 1 and
-      DRAFT_SPAN positions, draft_first = t(1), draft = (t(DRAFT_SPAN) - t(1)) / (DRAFT_SPAN - 1);
-    - a parallel drafter (DSpark's one block pass, n-gram lookup): one round of `block`
-      positions, draft_first = its time and draft = 0 (a further position costs nothing more).
+    with 1 and S positions, draft_first = t(1) and draft = (t(S) - t(1)) / (S - 1), where S is
+    DRAFT_SPAN for a proposer that drafts one position per forward (`sequential_drafts`) and
+    `block` for a parallel drafter (DSpark's one block pass: a further position still costs its
+    Markov-head step and its q row, much less than a forward).
     Draft sizes are measured on a grid and interpolated; every table is made monotone.
     """
     vocab = target.config.vocab_size
@@ -165,7 +165,7 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
     tag = "sampled" if sampled else "greedy"
     ids = [f"__profile-draft-{tag}-{i}" for i in range(n_max)]
     grid = draft_grid(n_max)
-    sequential = getattr(proposer, "sequential_drafts", False)
+    span = DRAFT_SPAN if getattr(proposer, "sequential_drafts", False) else max(2, block)
     rows = _hidden_rows(hidden_width)
     first, each = [], []
     try:
@@ -177,14 +177,9 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
         for r in ids:
             proposer.commit(r, 0)
         for n in tqdm(grid, desc=f"profile draft ({tag})", unit="size"):
-            if sequential:
-                t1, tn = (median_time(_round(proposer, ids[:n], k, rows), repeats)
-                          for k in (1, DRAFT_SPAN))
-                first.append(t1)
-                each.append(max(0.0, (tn - t1) / (DRAFT_SPAN - 1)))
-            else:
-                first.append(median_time(_round(proposer, ids[:n], block, rows), repeats))
-                each.append(0.0)
+            t1, tn = (median_time(_round(proposer, ids[:n], k, rows), repeats) for k in (1, span))
+            first.append(t1)
+            each.append(max(0.0, (tn - t1) / (span - 1)))
     finally:
         for r in ids:
             proposer.release(r)

@@ -12,8 +12,8 @@ Policies (one interface, `coordinator.policy.Policy`):
   Θ = E[tokens] / step_time. The early stop decides about slot (r, j) from slots ranked above
   it only, so it never looks at x_j or at later candidates: lossless with live confidences;
 - `confidence`: production: K = argmax_K (R + Σ top-K stale a) / step_time(R + K) over survivals
-  from two steps back (a history ring per request, and a global one for requests that are
-  younger), then the K slots go to the largest *current* survivals. Stale inputs cannot leak the
+  from two steps back and earlier (a running average per request, `StaleRow`, and a global one
+  for requests that are younger), then the K slots go to the largest *current* survivals. Stale inputs cannot leak the
   current tokens, so the global argmax is safe.
 
 Confidence only prioritises: whatever is admitted is still verified by the target.
@@ -35,6 +35,8 @@ from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
+SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
+OVERHEAD_WEIGHT = 0.05  # weight of the newest step in the running average of unprofiled time
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
 PROBE_REQUESTS = 4  # ... for this many requests of the batch, in turn (a round costs ~R)
 
@@ -70,6 +72,31 @@ def sorted_survivals(survivals: torch.Tensor, limits: list[int]) -> tuple[torch.
     return a[order], j[order]
 
 
+class StaleRow:
+    """Survival rows of one request (or batch means), read once they are STALE_STEPS steps old.
+
+    `value_at(step)` is an exponential average, weight SMOOTHING on the newest, of every row
+    pushed at step `step − STALE_STEPS` or earlier (None before there is one). One step's
+    survivals are a noisy guess of the next step's: a budget read from a single row follows each
+    unlucky block, and for a lone request an idle drafter then freezes it at K = 0. The average
+    follows the text's difficulty instead. Nothing in it can depend on the current step's drafts.
+    """
+
+    def __init__(self) -> None:
+        self._recent: deque[tuple[int, torch.Tensor]] = deque()  # (step, row [γ]), not yet read
+        self.value: torch.Tensor | None = None  # [γ]
+
+    def push(self, step: int, row: torch.Tensor) -> None:
+        self._recent.append((step, row))
+
+    def value_at(self, step: int) -> torch.Tensor | None:
+        while self._recent and self._recent[0][0] <= step - STALE_STEPS:
+            old = self._recent.popleft()[1]
+            prev = old if self.value is None else self.value
+            self.value = SMOOTHING * old + (1 - SMOOTHING) * prev
+        return self.value
+
+
 def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
     return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
 
@@ -86,63 +113,91 @@ class BudgetedPolicy(Policy):
         self.tracker = tracker
         self.a_priori = a_priori  # confidences known before drafting (tracked rates)
         self.sequential_drafts = sequential_drafts  # drafting cost grows with positions
-        self._history: dict[str, deque[torch.Tensor]] = {}
-        self._global_history: deque[torch.Tensor] = deque(maxlen=STALE_STEPS)
+        self._history: dict[str, StaleRow] = {}
+        self._global_history = StaleRow()
         self._budget = 0
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
-        self._steps = 0  # steps planned so far (the probe cadence)
+        self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
+        # Seconds per step the profile does not see (the engine's own work, calls to remote
+        # workers), learned from measured step times, for greedy and sampling batches apart;
+        # added to every step-time estimate.
+        self.overheads = {False: 0.0, True: 0.0}
+        self._profiled_time: float | None = None  # the profile's estimate of the step in flight
 
     # --- cost --------------------------------------------------------------------------------
-    def step_time(self, num_reqs: int, counts: list[int]) -> float:
-        positions = max(counts, default=0) if self.sequential_drafts else (1 if num_reqs else 0)
-        return self.cost.step_time(num_reqs + sum(counts), num_reqs, positions, self._sampled)
+    def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
+        """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
+        positions (default: as deep as the longest count)."""
+        depth = max(counts, default=0) if depth is None else depth
+        return self.overheads[self._sampled] + self.cost.step_time(
+            num_reqs + sum(counts), num_reqs, depth, self._sampled)
+
+    def observe_time(self, seconds: float) -> None:
+        """The step just committed took `seconds` end to end. The part its profiled estimate
+        does not explain joins a running average, `overheads`: on a small model a step's fixed
+        cost outside the worker verbs is a large share of it, and leaving it out makes every
+        step look cheaper than it is, so speculation (fewer, longer steps) looks worth less."""
+        if self._profiled_time is None:
+            return
+        unexplained = seconds - self._profiled_time
+        old = self.overheads[self._sampled]
+        self.overheads[self._sampled] = old + OVERHEAD_WEIGHT * (unexplained - old)
+        self._profiled_time = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
         """K maximising (R + Σ top-K a) / step_time, a global argmax over K (the smallest K on
         ties). Vectorised over K: it runs every step over up to R·γ slots."""
+        return self.best_plan(survivals, limits)[0]
+
+    def best_plan(self, survivals: torch.Tensor, limits: list[int]) -> tuple[int, int]:
+        """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
+        how many positions the round must draft. A request's j-th slot always follows its
+        (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
+        positions costs draft_first + (depth − 1)·draft, and K = 0 skips the round."""
         num_reqs = len(limits)
         a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), a.cumsum(0)])
         ks = torch.arange(a.numel() + 1)
-        if self.sequential_drafts:
-            # A request's j-th slot always follows its (j−1)-th, so the longest draft among the
-            # first K slots, i.e. the sequential positions to draft, is a running max of j.
-            positions = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
-        else:
-            # A parallel drafter costs one round whatever K; K = 0 skips the round.
-            positions = (ks > 0).long()
-        times = self.cost.step_times(num_reqs + ks, num_reqs, positions, self._sampled)
-        return int(torch.argmax(tokens / times))
+        depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
+        times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
+        best = int(torch.argmax(tokens / (times + self.overheads[self._sampled])))
+        return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
-        """Survivals from two steps back: the request's own row, else the batch mean row of two
-        steps back, else the tracker's global rates (its documented prior for a new deployment).
-        None of these can depend on the current step's drafts."""
-        rows = []
-        if len(self._global_history) == STALE_STEPS:
-            fallback = self._global_history[0]
-        else:
+        """Survivals from two steps back and before (`StaleRow`): the request's own, else the
+        batch means', else the tracker's global rates (its documented prior for a new
+        deployment). None of these can depend on the current step's drafts."""
+        fallback = self._global_history.value_at(self._steps)
+        if fallback is None:
             fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+        rows = []
         for r in req_ids:
-            hist = self._history.get(r)
-            rows.append(hist[0] if hist is not None and len(hist) == STALE_STEPS else fallback)
+            own = self._history[r].value_at(self._steps) if r in self._history else None
+            rows.append(own if own is not None else fallback)
         return torch.stack(rows) if rows else torch.zeros(0, self.gamma, dtype=torch.float64)
 
     def _remember(self, req_ids: tuple[str, ...], survivals: torch.Tensor,
-                  fresh: list[bool] | None = None) -> None:
-        """Push each request's survival row into its history ring (and the batch mean into the
-        global one). Rows marked not `fresh` (nothing drafted for them this step) leave their
-        history as it is: a missing draft is no evidence of zero acceptance."""
-        padded = torch.zeros(len(req_ids), self.gamma, dtype=torch.float64)
+                  counts: list[int] | None = None) -> None:
+        """Push each request's survival row (`counts[i]` drafted positions; None: all γ) into
+        its history (and the batch mean into the global one). A row drafted to depth d < γ is
+        continued past d with the tracker's realised conditional rates, so a shallow step does
+        not read as "never accepted deeper" (the depth would then only ever shrink). Rows with
+        nothing drafted leave their history as it is: a missing draft is no evidence at all."""
         width = min(self.gamma, survivals.shape[1])
-        padded[:, :width] = survivals[:, :width]
-        fresh = [True] * len(req_ids) if fresh is None else fresh
+        counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
+        rates = self.tracker.global_rates()[: self.gamma].to(torch.float64)  # [γ] conditional
+        padded = torch.zeros(len(req_ids), self.gamma, dtype=torch.float64)
+        for i, c in enumerate(counts):
+            if c > 0:
+                padded[i, :c] = survivals[i, :c]
+                padded[i, c:] = survivals[i, c - 1] * torch.cumprod(rates[c:], 0)
+        fresh = [c > 0 for c in counts]
         for r, row, ok in zip(req_ids, padded, fresh):
             if ok:
-                self._history.setdefault(r, deque(maxlen=STALE_STEPS)).append(row)
+                self._history.setdefault(r, StaleRow()).push(self._steps, row)
         if any(fresh):
-            self._global_history.append(padded[torch.tensor(fresh)].mean(dim=0))
+            self._global_history.push(self._steps, padded[torch.tensor(fresh)].mean(dim=0))
 
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
@@ -151,6 +206,7 @@ class BudgetedPolicy(Policy):
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
         self._sampled = sampled
+        self._steps += 1
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
@@ -158,21 +214,19 @@ class BudgetedPolicy(Policy):
             # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
             self._remember(req_ids, survivals_of(conf))
             return list(self._planned)
-        self._budget = self.budget_before_drafting(req_ids, limits)
-        self._steps += 1
-        if not self.sequential_drafts:
-            # A parallel drafter (DSpark) pays the same for γ drafts as for one: draft the whole
-            # block, so the step observes fresh confidences for the history. When the budget is
-            # 0 the round is skipped, except every PROBE_EVERY steps for PROBE_REQUESTS requests
-            # in turn, which keeps the history (and so the budget) following the drafter.
-            if self._budget > 0:
-                return limits
-            if self._steps % PROBE_EVERY:
-                return [0] * len(limits)
-            start = (self._steps // PROBE_EVERY * PROBE_REQUESTS) % max(1, len(limits))
-            chosen = {(start + i) % len(limits) for i in range(min(PROBE_REQUESTS, len(limits)))}
-            return [n if i in chosen else 0 for i, n in enumerate(limits)]
-        return [min(n, self._budget) for n in limits]
+        self._budget, depth = self.budget_before_drafting(req_ids, limits)
+        if self._budget > 0 or self.sequential_drafts:
+            # Draft no deeper than the budget's slots reach: a deeper position costs its share of
+            # the round and would not be admitted.
+            return [min(n, depth) for n in limits]
+        # A parallel drafter (DSpark) with nothing to verify skips its round, except every
+        # PROBE_EVERY steps for PROBE_REQUESTS requests in turn (whole blocks), which keeps the
+        # history (and so the budget) following the drafter.
+        if self._steps % PROBE_EVERY:
+            return [0] * len(limits)
+        start = (self._steps // PROBE_EVERY * PROBE_REQUESTS) % max(1, len(limits))
+        chosen = {(start + i) % len(limits) for i in range(min(PROBE_REQUESTS, len(limits)))}
+        return [n if i in chosen else 0 for i, n in enumerate(limits)]
 
     def choose_budget(self, drafts: Drafts) -> int:
         if self._planned is None:
@@ -185,9 +239,10 @@ class BudgetedPolicy(Policy):
         assert self._planned is not None, "choose_budget first"
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
+        self._profiled_time = self.cost.step_time(
+            len(planned) + sum(planned), len(planned), max(drafted, default=0), self._sampled)
         if not self.a_priori and drafts.confidences is not None:
-            self._remember(drafts.req_ids, survivals_of(drafts.confidences),
-                           [n > 0 for n in drafted])
+            self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
         return planned
 
     def observe(self, step: StepState) -> None:
@@ -196,8 +251,10 @@ class BudgetedPolicy(Policy):
                 self._history.pop(s.req_id, None)
 
     # --- what differs between policies -----------------------------------------------------------
-    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]) -> int:
-        return self.best_budget(self.stale_survivals(req_ids), limits)
+    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]
+                               ) -> tuple[int, int]:
+        """(K, depth to draft) before the drafts exist: from stale survivals only."""
+        return self.best_plan(self.stale_survivals(req_ids), limits)
 
     def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],
                   budget: int | None = None) -> tuple[int, list[int]]:
@@ -221,18 +278,22 @@ class ConfidenceSyncPolicy(BudgetedPolicy):
 
     name = "confidence-sync"
 
-    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]) -> int:
-        return sum(limits)  # live confidences decide after drafting
+    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]
+                               ) -> tuple[int, int]:
+        return sum(limits), max(limits, default=0)  # live confidences decide after drafting
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         survivals = survivals_of(confidences)
         num_reqs = len(limits)
         counts = [0] * num_reqs
+        # Live confidences come after drafting: that round's cost is in every Θ alike. With
+        # a-priori (tracked) confidences the plan comes first and drafting stops at its depth.
+        depth = None if self.a_priori else max(limits, default=0)
         tokens = float(num_reqs)
-        theta = tokens / self.step_time(num_reqs, counts)
+        theta = tokens / self.step_time(num_reqs, counts, depth)
         for slot in sorted_slots(survivals, limits):
             counts[slot.req] += 1
-            new_theta = (tokens + slot.survival) / self.step_time(num_reqs, counts)
+            new_theta = (tokens + slot.survival) / self.step_time(num_reqs, counts, depth)
             if new_theta <= theta:
                 counts[slot.req] -= 1
                 break

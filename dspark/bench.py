@@ -168,16 +168,21 @@ POLICY_ARMS = (
 
 def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
-                     out_dir: Path = Path("runs/bench_policies"), repeats: int = 3) -> dict:
+                     out_dir: Path = Path("runs/bench_policies"), repeats: int = 3,
+                     arms: tuple[str, ...] | None = None) -> dict:
     """Policies side by side at several numbers of requests in flight (closed loop).
 
     Each cell runs every arm `repeats` times, interleaved and in a rotated order each round, and
     reports the median tokens/s: on a shared machine a load spike then hits one run of one arm,
     not a whole arm."""
+    labels = [label for label, _, _ in POLICY_ARMS]
+    unknown = sorted(set(arms or ()) - set(labels))
+    if unknown:
+        raise ValueError(f"arms={unknown}: choose from {labels}")
     prompts = load_prompts(heldout_prompts_path())
     engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
                              max_num_seqs=max(concurrencies))
-               for label, policy, k in POLICY_ARMS}
+               for label, policy, k in POLICY_ARMS if arms is None or label in arms}
     for e in engines.values():  # warm-up (and the cost-model profile, once per machine)
         e.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))
     results: dict[str, dict] = {}

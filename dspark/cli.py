@@ -162,8 +162,10 @@ def cmd_bench_policies(a: argparse.Namespace) -> int:
     from dspark.bench import run_policy_bench
 
     concs = tuple(int(c) for c in a.concurrency.split(","))
-    run_policy_bench(proposer=a.proposer, concurrencies=concs, max_tokens=a.max_tokens,
-                     out_dir=Path(a.out), repeats=a.repeats)
+    temps = tuple(float(t) for t in a.temperatures.split(","))
+    arms = tuple(a.arms.split(",")) if a.arms else None
+    run_policy_bench(proposer=a.proposer, concurrencies=concs, temperatures=temps,
+                     max_tokens=a.max_tokens, out_dir=Path(a.out), repeats=a.repeats, arms=arms)
     return 0
 
 
@@ -215,9 +217,10 @@ def cmd_train_demo(a: argparse.Namespace) -> int:
     return 0
 
 
-# The shipped DSpark drafter's recipe (see its training_log.json): a first run, a longer one
-# that starts from its weights with a fresh schedule, then STS.
-DEMO_DRAFTER_STEPS = (850, 6000)
+# The shipped DSpark drafter's recipe (see its training_log.json): a first run on corpus text,
+# a longer one from its weights with a fresh schedule, a third from those with half of every
+# step's windows the target's own T = 1 continuations, then STS.
+DEMO_DRAFTER_STEPS = (850, 6000, 2500)
 
 
 def _train_demo_drafter(demo: Path, work_dir: Path) -> None:
@@ -226,10 +229,13 @@ def _train_demo_drafter(demo: Path, work_dir: Path) -> None:
     from dspark.training.calibration import calibrate
     from dspark.training.drafter_training import DrafterTrainConfig, train_drafter
 
-    first, final = work_dir / "dspark-first", work_dir / "dspark"
+    first, second, final = (work_dir / n for n in ("dspark-first", "dspark-second", "dspark"))
     train_drafter(demo / "target", first, DrafterTrainConfig(steps=DEMO_DRAFTER_STEPS[0]))
-    train_drafter(demo / "target", final, DrafterTrainConfig(
+    train_drafter(demo / "target", second, DrafterTrainConfig(
         steps=DEMO_DRAFTER_STEPS[1], eval_every=500, init_from=str(first)))
+    train_drafter(demo / "target", final, DrafterTrainConfig(
+        steps=DEMO_DRAFTER_STEPS[2], eval_every=500, warmup=20, sampled_fraction=0.5,
+        init_from=str(second)))
     calibrate(final, demo / "target", plot=final / "reliability.png")
     (demo / "dspark").mkdir(exist_ok=True)
     for f in final.iterdir():
@@ -250,6 +256,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         block_size=a.block_size, num_draft_layers=a.num_draft_layers,
         target_layer_ids=tuple(a.target_layer_ids), markov_rank=a.markov_rank, lr=a.lr,
         eval_every=a.eval_every, seed=a.seed, init_from=a.init_from,
+        sampled_fraction=a.sampled_fraction, warmup=a.warmup,
     )
     log = train_drafter(a.target, a.out, cfg, resume=not a.no_resume)
     print(json.dumps({"out": a.out, "train_seconds": log["train_seconds"], "final": log["train"][-1],
@@ -323,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-policies", help="policies side by side across requests in flight")
     p.add_argument("--proposer", choices=["dspark", "draft-model", "ngram"], default="dspark")
     p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--arms", help="comma-separated arm labels (default: all), e.g. 'off,fixed k=7,confidence'")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell (median)")
     p.add_argument("--out", default="runs/bench_policies")
@@ -366,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="write the loss log (JSON) and curve (PNG)")
     p.set_defaults(fn=cmd_train_target)
 
-    p = sub.add_parser("train-demo", help="retrain all shipped demo artefacts (~2.5 h on 2 cores)")
+    p = sub.add_parser("train-demo", help="retrain all shipped demo artefacts (~3 h on 2 cores)")
     p.add_argument("--work-dir", default="runs/train-demo")
     p.set_defaults(fn=cmd_train_demo)
 
@@ -382,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 3, 5])
     p.add_argument("--markov-rank", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    p.add_argument("--sampled-fraction", type=float, default=0.0,
+                   help="share of windows from the target's own T=1 continuations")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -34,6 +34,7 @@ from dspark.models.checkpoint import load_model
 from dspark.models.decoder import DecoderLM
 from dspark.training.block_eval import block_hidden, eval_blocks, sample_anchors, sample_windows
 from dspark.training.lm_training import encode_corpus
+from dspark.training.target_samples import sample_continuations
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ class DrafterTrainConfig:
     checkpoint_every: int = 100  # resumable state every this many steps
     autocast_bf16: bool = True  # bf16 autocast on CPU (weights and optimizer stay float32)
     seed: int = 0
+    # Share of each step's windows taken from the target's own T = 1 continuations of corpus
+    # prompts (the context a drafter serving sampled requests sees) instead of corpus text; the
+    # pool of `sampled_windows` continuations is sampled once and kept with the run's state.
+    sampled_fraction: float = 0.0
+    sampled_windows: int = 4096
+    sampled_prompt_len: int = 32
     # Start from this drafter's weights (same shapes, its mask token) instead of random ones;
     # the step count and learning-rate schedule start afresh. The shipped demo drafter continues
     # its first run this way.
@@ -79,6 +86,11 @@ class DrafterTrainConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise ValueError(f"sampled_fraction: must be in [0, 1], got {self.sampled_fraction}")
+        if self.sampled_fraction and not 0 < self.sampled_prompt_len < self.seq_len:
+            raise ValueError(
+                f"sampled_prompt_len={self.sampled_prompt_len}: must be in (0, seq_len)")
         if self.seq_len - self.block_size - 2 < self.num_anchors:
             raise ValueError(f"num_anchors={self.num_anchors}: too many for seq_len={self.seq_len}")
 
@@ -158,6 +170,36 @@ def _state_path(out: Path) -> Path:
     return out / "train_state" / "state.pt"
 
 
+def sampled_pool(target_dir: str | Path, out: Path, stream: torch.Tensor,
+                 cfg: DrafterTrainConfig) -> torch.Tensor | None:
+    """The run's pool of target continuations [sampled_windows, seq_len], made once and kept
+    in train_state/ so a resumed run trains on the same pool."""
+    if not cfg.sampled_fraction:
+        return None
+    path = out / "train_state" / "sampled_windows.pt"
+    if path.exists():
+        pool = torch.load(path, weights_only=True)
+        if pool.shape == (cfg.sampled_windows, cfg.seq_len):
+            return pool
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    prompts = sample_windows(stream, cfg.sampled_windows, cfg.sampled_prompt_len, gen)
+    pool = sample_continuations(target_dir, prompts, cfg.seq_len - cfg.sampled_prompt_len,
+                                temperature=1.0, seed=cfg.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(pool, path)
+    return pool
+
+
+def training_windows(stream: torch.Tensor, pool: torch.Tensor | None, cfg: DrafterTrainConfig,
+                     gen: torch.Generator) -> torch.Tensor:  # [batch_size, seq_len]
+    """One step's windows: corpus text, the first round(fraction·B) rows from the pool."""
+    window = sample_windows(stream, cfg.batch_size, cfg.seq_len, gen)
+    if pool is not None:
+        n = round(cfg.sampled_fraction * cfg.batch_size)
+        window[:n] = pool[torch.randint(0, len(pool), (n,), generator=gen)]
+    return window
+
+
 def _save_state(
     out: Path,
     drafter: DSparkDrafter,
@@ -212,6 +254,7 @@ def train_drafter(
         _check_same_shape(drafter, init, cfg.init_from)
         drafter.load_state_dict(init.state_dict())
         drafter.set_sts_temperatures(None)  # a retrained head needs calibrating again
+    pool = sampled_pool(target_dir, out, train_stream, cfg)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -249,7 +292,7 @@ def train_drafter(
         lr = cfg.lr * _schedule(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        window = sample_windows(train_stream, cfg.batch_size, cfg.seq_len, gen)
+        window = training_windows(train_stream, pool, cfg, gen)
         anchors = sample_anchors(cfg.batch_size, cfg.num_anchors, cfg.seq_len, cfg.block_size, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             loss, metrics = drafter_loss(target, drafter, window, anchors, cfg)

@@ -63,16 +63,33 @@ def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
     ids = ("a",)
     high, low = [[0.95, 0.95, 0.95]], [[0.05, 0.05, 0.05]]
     budgets = []
-    for conf in (high, low, low, low):
+    for conf in (high,) + (low,) * 8:
         d = drafts_of(conf, ids)
         policy.draft_lengths([3], ids)
         k = policy.choose_budget(d)
         budgets.append(k)
         policy.plan_verification(d, k)
         policy.observe(step_of(ids, [k], [0]))
-    # Steps 0 and 1 have no history: the tracker's prior (0.6 per position) gives K = 2;
-    # step 2 sees step 0 (high) and takes all 3; step 3 sees step 1 (low) and verifies nothing.
-    assert budgets == [2, 2, 3, 0]
+    # Steps 1 and 2 have no history: the tracker's prior (0.6 per position) gives K = 2.
+    # Step 3 reads step 1 (high) and takes all 3, although its own drafts are low. From then on
+    # the average of the rows two steps back and earlier sinks by 0.7 per low row: one unlucky
+    # block does not stop speculation, a run of them does.
+    assert budgets == [2, 2, 3, 3, 3, 3, 1, 0, 0]
+
+
+def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
+    from dspark.coordinator.scheduler import SMOOTHING, StaleRow
+
+    row = StaleRow()
+    one = torch.full((3,), 0.9, dtype=torch.float64)
+    two = torch.full((3,), 0.1, dtype=torch.float64)
+    row.push(1, one)
+    assert row.value_at(1) is None and row.value_at(2) is None  # not two steps old yet
+    assert torch.equal(row.value_at(3), one)
+    row.push(20, two)  # a probe after an idle stretch: readable two steps later, not two pushes
+    assert torch.equal(row.value_at(21), one)
+    torch.testing.assert_close(row.value_at(22), SMOOTHING * two + (1 - SMOOTHING) * one,
+                               rtol=0, atol=1e-15)
 
 
 def test_confidence_allocates_budget_by_current_survivals() -> None:
@@ -170,7 +187,8 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
     for _ in range(2 * PROBE_EVERY):
         lengths = policy.draft_lengths([3, 3], ids)
         asked.append(lengths)
-        d = drafts_of([[0.9, 0.9, 0.9]] * 2, ids) if any(lengths) else skipped_drafts(ids)
+        # The probes find a drafter not worth its round (c = 0.1): K stays 0 throughout.
+        d = drafts_of([[0.1, 0.1, 0.1]] * 2, ids) if any(lengths) else skipped_drafts(ids)
         k = policy.choose_budget(d)
         assert k == 0 and policy.plan_verification(d, k) == [0, 0]
         policy.observe(step_of(ids, [0, 0], [0, 0]))
@@ -209,9 +227,12 @@ def test_rows_without_drafts_leave_the_history_alone() -> None:
         policy.draft_lengths([3], ids)
         k = policy.choose_budget(d)
         policy.plan_verification(d, k)
-    # The ring still holds the two fresh rows (two steps back: the 0.95s), not zero rows.
+    # The history holds the two fresh rows, averaged, not zero rows.
+    from dspark.coordinator.scheduler import SMOOTHING
+
+    high, mid = (survivals_of(torch.tensor([[c] * 3], dtype=torch.float64))[0] for c in (0.95, 0.5))
     torch.testing.assert_close(policy.stale_survivals(ids)[0],
-                               survivals_of(torch.tensor([[0.95] * 3], dtype=torch.float64))[0], rtol=0, atol=1e-12)
+                               SMOOTHING * mid + (1 - SMOOTHING) * high, rtol=0, atol=1e-12)
 
 
 def test_parallel_round_cost_is_charged_only_when_something_is_verified() -> None:
@@ -222,3 +243,74 @@ def test_parallel_round_cost_is_charged_only_when_something_is_verified() -> Non
         cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(round_cost,))
         policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
         assert policy.best_budget(survivals_of(conf), [3]) == expected
+
+
+def test_a_lone_request_idled_by_bad_blocks_speculates_again_after_a_good_probe() -> None:
+    # Regression: the history read rows two *pushes* back, so for a lone request whose budget
+    # fell to 0 a probe's row waited for the next probe, PROBE_EVERY steps later. Rows are now
+    # read two *steps* after they were drafted.
+    from dspark.coordinator.scheduler import PROBE_EVERY
+
+    cost = CostModel.linear(1.0, 0.3)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    budgets = []
+    for step in range(1, PROBE_EVERY + 4):
+        lengths = policy.draft_lengths([3], ids)
+        good = step >= PROBE_EVERY  # the text turns easy at the probe
+        d = drafts_of([[0.95 if good else 0.02] * 3], ids) if any(lengths) else skipped_drafts(ids)
+        k = policy.choose_budget(d)
+        budgets.append(k)
+        policy.plan_verification(d, k)
+        policy.observe(step_of(ids, [k], [0]))
+    assert budgets[PROBE_EVERY - 2] == 0  # idle before the probe
+    assert budgets[PROBE_EVERY + 1] > 0  # two steps after the probe (steps are 1-based)
+
+
+def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
+    # The profile: a verify pass costs 1 s whatever B, a drafting round 0.5 s. With survivals
+    # (.3, .09, .027) speculating does not pay: Θ(0) = 1/1 > Θ(3) = 1.417/1.5. When every step
+    # really takes 2 s more than profiled (engine work, remote calls), Θ(0) = 1/3 < 1.417/3.5.
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    surv = survivals_of(torch.full((1, 3), 0.3, dtype=torch.float64))
+    assert policy.best_budget(surv, [3]) == 0
+    ids = ("a",)
+    for _ in range(300):
+        lengths = policy.draft_lengths([3], ids)
+        d = drafts_of([[0.3] * 3], ids) if any(lengths) else skipped_drafts(ids)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        profiled = cost.step_time(1 + sum(planned), 1, int(any(lengths)))
+        policy.observe_time(profiled + 2.0)
+    assert policy.overheads[False] == pytest.approx(2.0, abs=1e-3)
+    assert policy.overheads[True] == 0.0  # sampling batches keep their own
+    assert policy.best_budget(surv, [3]) == 3
+
+
+def test_a_parallel_drafter_drafts_only_as_deep_as_the_budget_reaches() -> None:
+    # Verify passes cost 1 s; a round 0.5 s for its first position and 0.3 s per further one.
+    # At the prior (0.6 per position: survivals .6, .36, .216, ...) Θ(K) = (1 + Σ a)/(1.5 +
+    # 0.3(K − 1)) peaks at K = 2 (1.96 / 1.8), so the round drafts 2 positions, not γ = 7.
+    cost = CostModel("t", verify=(1.0,) * 16, draft=(0.3,), draft_first=(0.5,))
+    policy = make_policy("confidence", 7, cost, AcceptanceTracker(7), a_priori=False)
+    assert policy.draft_lengths([7], ("a",)) == [2]
+    assert policy.draft_lengths([1], ("a",)) == [1]  # never past the request's own cap
+
+
+def test_a_shallow_row_is_continued_with_the_realised_rates_not_zeros() -> None:
+    # Regression guard: drafting to depth d < γ must not store zero survivals past d, or the
+    # budget (and so the depth) could only ever shrink.
+    tracker = AcceptanceTracker(4)
+    policy = make_policy("confidence", 4, CostModel.linear(1.0, 0.0), tracker, a_priori=False)
+    ids = ("a",)
+    policy.draft_lengths([4], ids)
+    d = Drafts(ids, torch.zeros(1, 2, dtype=torch.long), torch.tensor([2]), None,
+               torch.tensor([[0.9, 0.8]], dtype=torch.float64))
+    policy.plan_verification(d, policy.choose_budget(d))
+    for _ in range(2):  # two steps later the row is readable
+        policy.draft_lengths([4], ids)
+        skipped = skipped_drafts(ids)
+        policy.plan_verification(skipped, policy.choose_budget(skipped))
+    g = tracker.global_rates()  # nothing observed: the prior, 0.6 per position
+    expected = torch.tensor([0.9, 0.72, 0.72 * g[2], 0.72 * g[2] * g[3]], dtype=torch.float64)
+    torch.testing.assert_close(policy.stale_survivals(ids)[0], expected, rtol=0, atol=1e-12)
