@@ -119,28 +119,31 @@ class BudgetedPolicy(Policy):
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
-        # Seconds per step the profile does not see (the engine's own work, calls to remote
-        # workers), learned from measured step times, for greedy and sampling batches apart;
-        # added to every step-time estimate.
+        # Seconds per request per step that the profile does not see (the engine's own work,
+        # calls to remote workers), learned from measured step times, for greedy and sampling
+        # batches apart; R times it is added to every step-time estimate.
         self.overheads = {False: 0.0, True: 0.0}
-        self._profiled_time: float | None = None  # the profile's estimate of the step in flight
+        # The profile's estimate of the step in flight, and its number of requests.
+        self._profiled_time: tuple[float, int] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
         """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
-        return self.overheads[self._sampled] + self.cost.step_time(
+        return num_reqs * self.overheads[self._sampled] + self.cost.step_time(
             num_reqs + sum(counts), num_reqs, depth, self._sampled)
 
     def observe_time(self, seconds: float) -> None:
         """The step just committed took `seconds` end to end. The part its profiled estimate
-        does not explain joins a running average, `overheads`: on a small model a step's fixed
-        cost outside the worker verbs is a large share of it, and leaving it out makes every
-        step look cheaper than it is, so speculation (fewer, longer steps) looks worth less."""
+        does not explain, per request, joins a running average, `overheads`: on a small model
+        the engine's own work per request and step is a large share of a step, and leaving it
+        out makes every step look cheaper than it is, so speculation (fewer, longer steps)
+        looks worth less. It grows with the batch (about linearly here), hence per request."""
         if self._profiled_time is None:
             return
-        unexplained = seconds - self._profiled_time
+        profiled, num_reqs = self._profiled_time
+        unexplained = (seconds - profiled) / max(1, num_reqs)
         old = self.overheads[self._sampled]
         self.overheads[self._sampled] = old + OVERHEAD_WEIGHT * (unexplained - old)
         self._profiled_time = None
@@ -161,7 +164,7 @@ class BudgetedPolicy(Policy):
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
-        best = int(torch.argmax(tokens / (times + self.overheads[self._sampled])))
+        best = int(torch.argmax(tokens / (times + num_reqs * self.overheads[self._sampled])))
         return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
@@ -239,8 +242,9 @@ class BudgetedPolicy(Policy):
         assert self._planned is not None, "choose_budget first"
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
-        self._profiled_time = self.cost.step_time(
-            len(planned) + sum(planned), len(planned), max(drafted, default=0), self._sampled)
+        self._profiled_time = (self.cost.step_time(
+            len(planned) + sum(planned), len(planned), max(drafted, default=0), self._sampled),
+            len(planned))
         if not self.a_priori and drafts.confidences is not None:
             self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
         return planned
@@ -261,28 +265,11 @@ class BudgetedPolicy(Policy):
         """(K, ℓ per request) from current conditional confidences [num_reqs, max_draft]."""
         raise NotImplementedError
 
-
-class ConfidencePolicy(BudgetedPolicy):
-    """Production: K from stale survivals, slots by current survivals (top-K, key (−a, j))."""
-
-    name = "confidence"
-
-    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
-        counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
-        return k, counts.tolist()
-
-
-class ConfidenceSyncPolicy(BudgetedPolicy):
-    """Algorithm 1: greedy over live survivals with the early stop."""
-
-    name = "confidence-sync"
-
-    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]
-                               ) -> tuple[int, int]:
-        return sum(limits), max(limits, default=0)  # live confidences decide after drafting
-
-    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
+    def early_stop_plan(self, confidences: torch.Tensor, limits: list[int]
+                        ) -> tuple[int, list[int]]:
+        """Algorithm 1 over live survivals: add slots best first, stop at the first that does
+        not raise Θ. The stop at slot (r, j) reads only slots ranked above it, so it never looks
+        at x_j or later candidates: lossless with live confidences."""
         survivals = survivals_of(confidences)
         num_reqs = len(limits)
         counts = [0] * num_reqs
@@ -299,6 +286,34 @@ class ConfidenceSyncPolicy(BudgetedPolicy):
                 break
             tokens, theta = tokens + slot.survival, new_theta
         return sum(counts), counts
+
+
+class ConfidencePolicy(BudgetedPolicy):
+    """Production: K from stale survivals, slots by current survivals (top-K, key (−a, j))."""
+
+    name = "confidence"
+
+    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
+        k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
+        if k == 0 and not self.a_priori and sum(limits) > 0:
+            # A probe (the stale budget is 0, yet the round ran): its cost is paid, so verify
+            # what the live survivals say is worth it, by Algorithm 1's lossless early stop.
+            return self.early_stop_plan(confidences, limits)
+        counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
+        return k, counts.tolist()
+
+
+class ConfidenceSyncPolicy(BudgetedPolicy):
+    """Algorithm 1: greedy over live survivals with the early stop."""
+
+    name = "confidence-sync"
+
+    def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]
+                               ) -> tuple[int, int]:
+        return sum(limits), max(limits, default=0)  # live confidences decide after drafting
+
+    def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
+        return self.early_stop_plan(confidences, limits)
 
 
 class EqualPolicy(BudgetedPolicy):
