@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +34,8 @@ from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
+
+T = TypeVar("T", float, torch.Tensor)
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
@@ -97,6 +100,14 @@ class StaleRow:
         return self.value
 
 
+def _with_overhead(profiled: T, overhead: T | float) -> T:
+    """Profiled time plus learned overhead, never below half the profiled time (a negative
+    overhead corrects a profile taken under heavier load, within reason)."""
+    if isinstance(profiled, torch.Tensor):
+        return torch.maximum(profiled + overhead, 0.5 * profiled)
+    return max(profiled + float(overhead), 0.5 * profiled)
+
+
 def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
     return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
 
@@ -119,33 +130,35 @@ class BudgetedPolicy(Policy):
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
-        # Seconds per request per step that the profile does not see (the engine's own work,
-        # calls to remote workers), learned from measured step times, for greedy and sampling
-        # batches apart; R times it is added to every step-time estimate.
-        self.overheads = {False: 0.0, True: 0.0}
-        # The profile's estimate of the step in flight, and its number of requests.
-        self._profiled_time: tuple[float, int] | None = None
+        # Seconds per request per step that the profile does not explain (the engine's own
+        # work, calls to remote workers, load since profiling), learned from measured step
+        # times; keyed by (batch samples?, step drafts?); R times it joins every estimate.
+        self.overheads = {(s, d): 0.0 for s in (False, True) for d in (False, True)}
+        # The profile's estimate of the step in flight, its requests, and whether it drafts.
+        self._profiled_time: tuple[float, int, bool] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
         """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
-        return num_reqs * self.overheads[self._sampled] + self.cost.step_time(
-            num_reqs + sum(counts), num_reqs, depth, self._sampled)
+        profiled = self.cost.step_time(num_reqs + sum(counts), num_reqs, depth, self._sampled)
+        return _with_overhead(profiled, num_reqs * self.overheads[self._sampled, depth > 0])
 
     def observe_time(self, seconds: float) -> None:
         """The step just committed took `seconds` end to end. The part its profiled estimate
         does not explain, per request, joins a running average, `overheads`: on a small model
         the engine's own work per request and step is a large share of a step, and leaving it
         out makes every step look cheaper than it is, so speculation (fewer, longer steps)
-        looks worth less. It grows with the batch (about linearly here), hence per request."""
+        looks worth less. It grows with the batch (about linearly here), hence per request,
+        and a step that drafts does more of it than one that does not, hence apart; a profile
+        taken under other load shows up here too, and can make it negative."""
         if self._profiled_time is None:
             return
-        profiled, num_reqs = self._profiled_time
+        profiled, num_reqs, drafting = self._profiled_time
         unexplained = (seconds - profiled) / max(1, num_reqs)
-        old = self.overheads[self._sampled]
-        self.overheads[self._sampled] = old + OVERHEAD_WEIGHT * (unexplained - old)
+        key = (self._sampled, drafting)
+        self.overheads[key] += OVERHEAD_WEIGHT * (unexplained - self.overheads[key])
         self._profiled_time = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
@@ -164,7 +177,9 @@ class BudgetedPolicy(Policy):
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
-        best = int(torch.argmax(tokens / (times + num_reqs * self.overheads[self._sampled])))
+        extra = torch.where(depths > 0, self.overheads[self._sampled, True],
+                            self.overheads[self._sampled, False]) * num_reqs
+        best = int(torch.argmax(tokens / _with_overhead(times, extra)))
         return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
@@ -242,9 +257,10 @@ class BudgetedPolicy(Policy):
         assert self._planned is not None, "choose_budget first"
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
+        depth = max(drafted, default=0)
         self._profiled_time = (self.cost.step_time(
-            len(planned) + sum(planned), len(planned), max(drafted, default=0), self._sampled),
-            len(planned))
+            len(planned) + sum(planned), len(planned), depth, self._sampled),
+            len(planned), depth > 0)
         if not self.a_priori and drafts.confidences is not None:
             self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
         return planned
