@@ -220,7 +220,7 @@ def cmd_train_demo(a: argparse.Namespace) -> int:
 # The shipped DSpark drafter's recipe (see its training_log.json): a first run on corpus text,
 # a longer one from its weights with a fresh schedule, a third from those with half of every
 # step's windows the target's own T = 1 continuations, then STS.
-DEMO_DRAFTER_STEPS = (850, 6000, 2500)
+DEMO_DRAFTER_STEPS = (850, 6000, 4000)
 
 
 def _train_demo_drafter(demo: Path, work_dir: Path) -> None:
