@@ -132,8 +132,8 @@ class BudgetedPolicy(Policy):
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
         # Seconds per request per step that the profile does not explain (the engine's own
         # work, calls to remote workers, load since profiling), learned from measured step
-        # times; keyed by (batch samples?, step drafts?); R times it joins every estimate.
-        self.overheads = {(s, d): 0.0 for s in (False, True) for d in (False, True)}
+        # times; see `overhead` for the key. R times it joins every estimate.
+        self._overheads: dict[tuple[bool, bool, int], float] = {}
         # The profile's estimate of the step in flight, its requests, and whether it drafts.
         self._profiled_time: tuple[float, int, bool] | None = None
 
@@ -143,7 +143,15 @@ class BudgetedPolicy(Policy):
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
         profiled = self.cost.step_time(num_reqs + sum(counts), num_reqs, depth, self._sampled)
-        return _with_overhead(profiled, num_reqs * self.overheads[self._sampled, depth > 0])
+        return _with_overhead(profiled, num_reqs * self.overhead(depth > 0, num_reqs))
+
+    def overhead(self, drafting: bool, num_reqs: int, sampled: bool | None = None) -> float:
+        """Learned unexplained seconds per request of a step (0 until observed), for batches
+        that sample or not (default: this step's), steps that draft or not, and batch sizes in
+        powers of two (1, 2–3, 4–7, ...): a correction learned at one size (say, a profile
+        that overestimates a round for a lone request) must not be scaled to another."""
+        sampled = self._sampled if sampled is None else sampled
+        return self._overheads.get((sampled, drafting, num_reqs.bit_length()), 0.0)
 
     def observe_time(self, seconds: float) -> None:
         """The step just committed took `seconds` end to end. The part its profiled estimate
@@ -152,13 +160,15 @@ class BudgetedPolicy(Policy):
         out makes every step look cheaper than it is, so speculation (fewer, longer steps)
         looks worth less. It grows with the batch (about linearly here), hence per request,
         and a step that drafts does more of it than one that does not, hence apart; a profile
-        taken under other load shows up here too, and can make it negative."""
+        taken under other load shows up here too, and can make it negative. Whichever kind of
+        step is less known looks cheaper and gets tried, so both get learned."""
         if self._profiled_time is None:
             return
         profiled, num_reqs, drafting = self._profiled_time
         unexplained = (seconds - profiled) / max(1, num_reqs)
-        key = (self._sampled, drafting)
-        self.overheads[key] += OVERHEAD_WEIGHT * (unexplained - self.overheads[key])
+        key = (self._sampled, drafting, num_reqs.bit_length())
+        old = self._overheads.get(key, 0.0)
+        self._overheads[key] = old + OVERHEAD_WEIGHT * (unexplained - old)
         self._profiled_time = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
@@ -177,8 +187,8 @@ class BudgetedPolicy(Policy):
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
-        extra = torch.where(depths > 0, self.overheads[self._sampled, True],
-                            self.overheads[self._sampled, False]) * num_reqs
+        extra = torch.where(depths > 0, self.overhead(True, num_reqs),
+                            self.overhead(False, num_reqs)) * num_reqs
         best = int(torch.argmax(tokens / _with_overhead(times, extra)))
         return best, int(depths[best])
 

@@ -285,9 +285,10 @@ def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
     # Idle and drafting steps learn apart. Whichever kind is less known looks cheaper and gets
     # tried: idle steps until their overhead passes 1.47 s (then 1/(1 + o) < 1.417/3.5 and
     # speculation wins), drafting steps from then on, which learn their 2 s in full.
-    assert policy.overheads[False, True] == pytest.approx(2.0, abs=1e-3)
-    assert 1.4 < policy.overheads[False, False] <= 2.0
-    assert policy.overheads[True, False] == policy.overheads[True, True] == 0.0  # sampling: apart
+    assert policy.overhead(True, 1, sampled=False) == pytest.approx(2.0, abs=1e-3)
+    assert 1.4 < policy.overhead(False, 1, sampled=False) <= 2.0
+    assert policy.overhead(True, 1, sampled=True) == 0.0  # sampling batches: apart
+    assert policy.overhead(True, 2, sampled=False) == 0.0  # other batch sizes: apart
     assert policy.best_budget(surv, [3]) == 3
 
 
@@ -347,4 +348,6 @@ def test_overhead_is_learned_per_request() -> None:
         d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
         planned = policy.plan_verification(d, policy.choose_budget(d))
         policy.observe_time(cost.step_time(2 + sum(planned), 2, max(lengths)) + 3.0)
-    assert policy.overheads[False, True] == pytest.approx(1.5, abs=1e-3)  # 3 s over 2 requests
+    assert policy.overhead(True, 2, sampled=False) == pytest.approx(1.5, abs=1e-3)  # 3 s / 2
+    assert policy.overhead(True, 3, sampled=False) == pytest.approx(1.5, abs=1e-3)  # same bucket
+    assert policy.overhead(True, 4, sampled=False) == 0.0
