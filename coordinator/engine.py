@@ -397,7 +397,8 @@ class Engine:
         self.tracker.observe(state)
         self.policy.observe(state)
         self._record(state, drafts, planned, start)
-        self.policy.observe_time(time.perf_counter() - start)
+        self.policy.observe_time(time.perf_counter() - start,
+                                 sum(len(ids) for ids in plan.input_ids))
         return state
 
     def _record(self, state: StepState, drafts: Drafts, planned: list[int], start: float) -> None:

@@ -134,8 +134,8 @@ class BudgetedPolicy(Policy):
         # work, calls to remote workers, load since profiling), learned from measured step
         # times; see `overhead` for the key. R times it joins every estimate.
         self._overheads: dict[tuple[bool, bool, int], float] = {}
-        # The profile's estimate of the step in flight, its requests, and whether it drafts.
-        self._profiled_time: tuple[float, int, bool] | None = None
+        # The step in flight, for its profiled time: its requests and drafted positions.
+        self._profiled_time: tuple[int, int] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -153,8 +153,9 @@ class BudgetedPolicy(Policy):
         sampled = self._sampled if sampled is None else sampled
         return self._overheads.get((sampled, drafting, num_reqs.bit_length()), 0.0)
 
-    def observe_time(self, seconds: float) -> None:
-        """The step just committed took `seconds` end to end. The part its profiled estimate
+    def observe_time(self, seconds: float, num_tokens: int) -> None:
+        """The step just committed took `seconds` end to end and verified `num_tokens` tokens
+        (prompt tokens of new requests included). The part its profiled estimate
         does not explain, per request, joins a running average, `overheads`: on a small model
         the engine's own work per request and step is a large share of a step, and leaving it
         out makes every step look cheaper than it is, so speculation (fewer, longer steps)
@@ -164,8 +165,10 @@ class BudgetedPolicy(Policy):
         step is less known looks cheaper and gets tried, so both get learned."""
         if self._profiled_time is None:
             return
-        profiled, num_reqs, drafting = self._profiled_time
+        num_reqs, depth = self._profiled_time
+        profiled = self.cost.step_time(num_tokens, num_reqs, depth, self._sampled)
         unexplained = (seconds - profiled) / max(1, num_reqs)
+        drafting = depth > 0
         key = (self._sampled, drafting, num_reqs.bit_length())
         old = self._overheads.get(key, 0.0)
         self._overheads[key] = old + OVERHEAD_WEIGHT * (unexplained - old)
@@ -267,10 +270,7 @@ class BudgetedPolicy(Policy):
         assert self._planned is not None, "choose_budget first"
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
-        depth = max(drafted, default=0)
-        self._profiled_time = (self.cost.step_time(
-            len(planned) + sum(planned), len(planned), depth, self._sampled),
-            len(planned), depth > 0)
+        self._profiled_time = (len(planned), max(drafted, default=0))
         if not self.a_priori and drafts.confidences is not None:
             self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
         return planned

@@ -281,7 +281,7 @@ def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
         d = drafts_of([[0.3] * 3], ids) if any(lengths) else skipped_drafts(ids)
         planned = policy.plan_verification(d, policy.choose_budget(d))
         profiled = cost.step_time(1 + sum(planned), 1, int(any(lengths)))
-        policy.observe_time(profiled + 2.0)
+        policy.observe_time(profiled + 2.0, 1 + sum(planned))
     # Idle and drafting steps learn apart. Whichever kind is less known looks cheaper and gets
     # tried: idle steps until their overhead passes 1.47 s (then 1/(1 + o) < 1.417/3.5 and
     # speculation wins), drafting steps from then on, which learn their 2 s in full.
@@ -347,7 +347,26 @@ def test_overhead_is_learned_per_request() -> None:
         lengths = policy.draft_lengths([3, 3], ids)
         d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
         planned = policy.plan_verification(d, policy.choose_budget(d))
-        policy.observe_time(cost.step_time(2 + sum(planned), 2, max(lengths)) + 3.0)
+        policy.observe_time(cost.step_time(2 + sum(planned), 2, max(lengths)) + 3.0,
+                            2 + sum(planned))
     assert policy.overhead(True, 2, sampled=False) == pytest.approx(1.5, abs=1e-3)  # 3 s / 2
     assert policy.overhead(True, 3, sampled=False) == pytest.approx(1.5, abs=1e-3)  # same bucket
     assert policy.overhead(True, 4, sampled=False) == 0.0
+
+
+def test_prompt_tokens_of_a_step_are_profiled_not_learned_as_overhead() -> None:
+    # Regression: a step that prefilled new prompts was compared with the profiled time of
+    # its drafts alone, and its prompt work entered the learned overhead as a large spike.
+    cost = CostModel.linear(0.001, 0.001)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a", "b")
+    policy.draft_lengths([3, 3], ids)
+    d = skipped_drafts(ids)
+    planned = policy.plan_verification(d, policy.choose_budget(d))
+    assert planned == [0, 0]
+    prompt_tokens = 500  # two prompts of 250 tokens: 0.501 s profiled, no drafts
+    policy.observe_time(cost.step_time(prompt_tokens) + 0.2, prompt_tokens)
+    from dspark.coordinator.scheduler import OVERHEAD_WEIGHT
+
+    # The first observation moves the average by OVERHEAD_WEIGHT of 0.2 s / 2 requests.
+    assert policy.overhead(False, 2, sampled=False) == pytest.approx(OVERHEAD_WEIGHT * 0.1)
