@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -34,8 +33,6 @@ from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
-
-T = TypeVar("T", float, torch.Tensor)
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
@@ -100,14 +97,6 @@ class StaleRow:
         return self.value
 
 
-def _with_overhead(profiled: T, overhead: T | float) -> T:
-    """Profiled time plus learned overhead, never below half the profiled time (a negative
-    overhead corrects a profile taken under heavier load, within reason)."""
-    if isinstance(profiled, torch.Tensor):
-        return torch.maximum(profiled + overhead, 0.5 * profiled)
-    return max(profiled + float(overhead), 0.5 * profiled)
-
-
 def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
     return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
 
@@ -133,7 +122,7 @@ class BudgetedPolicy(Policy):
         # Seconds per request per step that the profile does not explain (the engine's own
         # work, calls to remote workers, load since profiling), learned from measured step
         # times; see `overhead` for the key. R times it joins every estimate.
-        self._overheads: dict[tuple[bool, bool, int], float] = {}
+        self._overheads: dict[tuple[bool, int], float] = {}
         # The step in flight, for its profiled time: its requests and drafted positions.
         self._profiled_time: tuple[int, int] | None = None
 
@@ -143,15 +132,14 @@ class BudgetedPolicy(Policy):
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
         profiled = self.cost.step_time(num_reqs + sum(counts), num_reqs, depth, self._sampled)
-        return _with_overhead(profiled, num_reqs * self.overhead(depth > 0, num_reqs))
+        return profiled + num_reqs * self.overhead(num_reqs)
 
-    def overhead(self, drafting: bool, num_reqs: int, sampled: bool | None = None) -> float:
-        """Learned unexplained seconds per request of a step (0 until observed), for batches
-        that sample or not (default: this step's), steps that draft or not, and batch sizes in
-        powers of two (1, 2–3, 4–7, ...): a correction learned at one size (say, a profile
-        that overestimates a round for a lone request) must not be scaled to another."""
+    def overhead(self, num_reqs: int, sampled: bool | None = None) -> float:
+        """Learned unexplained seconds per request of a step (0 until observed; never below
+        0), for batches that sample or not (default: this step's) and batch sizes in powers of
+        two (1, 2–3, 4–7, ...): what is learned at one size is not scaled to another."""
         sampled = self._sampled if sampled is None else sampled
-        return self._overheads.get((sampled, drafting, num_reqs.bit_length()), 0.0)
+        return max(0.0, self._overheads.get((sampled, num_reqs.bit_length()), 0.0))
 
     def observe_time(self, seconds: float, num_tokens: int) -> None:
         """The step just committed took `seconds` end to end and verified `num_tokens` tokens
@@ -159,17 +147,15 @@ class BudgetedPolicy(Policy):
         does not explain, per request, joins a running average, `overheads`: on a small model
         the engine's own work per request and step is a large share of a step, and leaving it
         out makes every step look cheaper than it is, so speculation (fewer, longer steps)
-        looks worth less. It grows with the batch (about linearly here), hence per request,
-        and a step that drafts does more of it than one that does not, hence apart; a profile
-        taken under other load shows up here too, and can make it negative. Whichever kind of
-        step is less known looks cheaper and gets tried, so both get learned."""
+        looks worth less. It grows with the batch (about linearly here), hence per request.
+        One average serves steps that draft and steps that do not: learning them apart made
+        whichever was less known look cheaper, and the budget swung between them."""
         if self._profiled_time is None:
             return
         num_reqs, depth = self._profiled_time
         profiled = self.cost.step_time(num_tokens, num_reqs, depth, self._sampled)
         unexplained = (seconds - profiled) / max(1, num_reqs)
-        drafting = depth > 0
-        key = (self._sampled, drafting, num_reqs.bit_length())
+        key = (self._sampled, num_reqs.bit_length())
         old = self._overheads.get(key, 0.0)
         self._overheads[key] = old + OVERHEAD_WEIGHT * (unexplained - old)
         self._profiled_time = None
@@ -190,9 +176,7 @@ class BudgetedPolicy(Policy):
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
-        extra = torch.where(depths > 0, self.overhead(True, num_reqs),
-                            self.overhead(False, num_reqs)) * num_reqs
-        best = int(torch.argmax(tokens / _with_overhead(times, extra)))
+        best = int(torch.argmax(tokens / (times + num_reqs * self.overhead(num_reqs))))
         return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]

@@ -282,13 +282,9 @@ def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
         planned = policy.plan_verification(d, policy.choose_budget(d))
         profiled = cost.step_time(1 + sum(planned), 1, int(any(lengths)))
         policy.observe_time(profiled + 2.0, 1 + sum(planned))
-    # Idle and drafting steps learn apart. Whichever kind is less known looks cheaper and gets
-    # tried: idle steps until their overhead passes 1.47 s (then 1/(1 + o) < 1.417/3.5 and
-    # speculation wins), drafting steps from then on, which learn their 2 s in full.
-    assert policy.overhead(True, 1, sampled=False) == pytest.approx(2.0, abs=1e-3)
-    assert 1.4 < policy.overhead(False, 1, sampled=False) <= 2.0
-    assert policy.overhead(True, 1, sampled=True) == 0.0  # sampling batches: apart
-    assert policy.overhead(True, 2, sampled=False) == 0.0  # other batch sizes: apart
+    assert policy.overhead(1, sampled=False) == pytest.approx(2.0, abs=1e-3)
+    assert policy.overhead(1, sampled=True) == 0.0  # sampling batches: apart
+    assert policy.overhead(2, sampled=False) == 0.0  # other batch sizes: apart
     assert policy.best_budget(surv, [3]) == 3
 
 
@@ -349,9 +345,15 @@ def test_overhead_is_learned_per_request() -> None:
         planned = policy.plan_verification(d, policy.choose_budget(d))
         policy.observe_time(cost.step_time(2 + sum(planned), 2, max(lengths)) + 3.0,
                             2 + sum(planned))
-    assert policy.overhead(True, 2, sampled=False) == pytest.approx(1.5, abs=1e-3)  # 3 s / 2
-    assert policy.overhead(True, 3, sampled=False) == pytest.approx(1.5, abs=1e-3)  # same bucket
-    assert policy.overhead(True, 4, sampled=False) == 0.0
+    assert policy.overhead(2, sampled=False) == pytest.approx(1.5, abs=1e-3)  # 3 s / 2
+    assert policy.overhead(3, sampled=False) == pytest.approx(1.5, abs=1e-3)  # same bucket
+    assert policy.overhead(4, sampled=False) == 0.0
+    for _ in range(300):  # steps faster than profiled: the overhead never goes below 0
+        lengths = policy.draft_lengths([3, 3], ids)
+        d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        policy.observe_time(0.0, 2 + sum(planned))
+    assert policy.overhead(2, sampled=False) == 0.0
 
 
 def test_prompt_tokens_of_a_step_are_profiled_not_learned_as_overhead() -> None:
@@ -369,4 +371,4 @@ def test_prompt_tokens_of_a_step_are_profiled_not_learned_as_overhead() -> None:
     from dspark.coordinator.scheduler import OVERHEAD_WEIGHT
 
     # The first observation moves the average by OVERHEAD_WEIGHT of 0.2 s / 2 requests.
-    assert policy.overhead(False, 2, sampled=False) == pytest.approx(OVERHEAD_WEIGHT * 0.1)
+    assert policy.overhead(2, sampled=False) == pytest.approx(OVERHEAD_WEIGHT * 0.1)
