@@ -305,10 +305,6 @@ class ConfidencePolicy(BudgetedPolicy):
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
-        if k == 0 and not self.a_priori and sum(limits) > 0:
-            # A probe (the stale budget is 0, yet the round ran): its cost is paid, so verify
-            # what the live survivals say is worth it, by Algorithm 1's lossless early stop.
-            return self.early_stop_plan(confidences, limits)
         counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
         return k, counts.tolist()
 

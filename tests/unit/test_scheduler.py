@@ -317,24 +317,6 @@ def test_a_shallow_row_is_continued_with_the_realised_rates_not_zeros() -> None:
     torch.testing.assert_close(policy.stale_survivals(ids)[0], expected, rtol=0, atol=1e-12)
 
 
-def test_a_probe_verifies_what_its_live_survivals_justify() -> None:
-    # The stale budget is 0 (K = 0 at the prior under this cost), so only probes draft; a probe
-    # has paid its round, so Algorithm 1 over its live survivals decides what it verifies.
-    from dspark.coordinator.scheduler import PROBE_EVERY
-
-    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 17)), draft=(0.0,),
-                     draft_first=(3.0,))
-    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
-    ids = ("a",)
-    for step in range(1, PROBE_EVERY + 1):
-        lengths = policy.draft_lengths([3], ids)
-        assert any(lengths) == (step == PROBE_EVERY)
-        d = drafts_of([[0.95] * 3], ids) if any(lengths) else skipped_drafts(ids)
-        k = policy.choose_budget(d)
-        planned = policy.plan_verification(d, k)
-    assert (k, planned) == (3, [3])  # the probe step: every live slot raises Θ
-
-
 def test_overhead_is_learned_per_request() -> None:
     cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
