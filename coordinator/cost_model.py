@@ -5,10 +5,10 @@ B = 1..B_max and every draft batch size n = 1..n_max, made monotone (a running m
 batch never costs less), persisted as JSON keyed by model and hardware, and reloaded.
 
 The scheduler asks `step_time(B, num_reqs, draft_positions, sampled)`: the verify time of B tokens
-plus, for a proposer whose cost grows with the number of drafts (an autoregressive draft model),
-the drafting round: its first position (`draft_first`: the catch-up forward over the committed
-tokens the drafter lacks and the call's fixed cost) and one forward per further position
-(`draft`), each measured greedy and sampling (`*_sampled`: warp and draw per position), since
+plus the drafting round (an autoregressive draft model: one forward per position; DSpark: one
+block pass, then a Markov-head step and a q row per position): its first position
+(`draft_first`: the catch-up over the committed tokens the drafter lacks and the call's fixed
+cost) and each further position (`draft`), each measured greedy and sampling (`*_sampled`: warp and draw per position), since
 a round at temperature > 0 costs more. A profile of the real worker verbs
 (`coordinator.profiler.profile_workers`) fills every table; a forward-only profile fills
 `verify` and `draft` and leaves the others empty (then they default to `draft`).

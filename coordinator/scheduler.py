@@ -3,7 +3,7 @@
 Notation: request r has drafts x_1..x_γ with conditional confidences c_{r,j}; survival
 a_{r,j} = c_{r,1}···c_{r,j}; verifying a prefix of ℓ_r drafts commits 1 + Σ_{j≤ℓ_r} a_{r,j} tokens
 in expectation; a pass of B = Σ_r (1 + ℓ_r) tokens costs `step_time(B)` from the profiled cost model
-(plus drafting, for a proposer that drafts one position per forward).
+(plus the drafting round: its first position and each further one, as profiled).
 
 Policies (one interface, `coordinator.policy.Policy`):
 - `equal`: the production budget K, split evenly across requests;
