@@ -8,10 +8,10 @@ The scheduler asks `step_time(B, num_reqs, draft_positions, sampled)`: the verif
 plus the drafting round (an autoregressive draft model: one forward per position; DSpark: one
 block pass, then a Markov-head step and a q row per position): its first position
 (`draft_first`: the catch-up over the committed tokens the drafter lacks and the call's fixed
-cost) and each further position (`draft`), each measured greedy and sampling (`*_sampled`: warp and draw per position), since
-a round at temperature > 0 costs more. A profile of the real worker verbs
-(`coordinator.profiler.profile_workers`) fills every table; a forward-only profile fills
-`verify` and `draft` and leaves the others empty (then they default to `draft`).
+cost) and each further position (`draft`), each measured greedy and sampling (`*_sampled`:
+warp and draw per position), since a round at temperature > 0 costs more. A profile of the
+real worker verbs (`coordinator.profiler.profile_workers`) fills every table; a forward-only
+profile fills `verify` and `draft` and leaves the others empty (then they default to `draft`).
 """
 
 from __future__ import annotations

@@ -275,28 +275,6 @@ class BudgetedPolicy(Policy):
         """(K, ℓ per request) from current conditional confidences [num_reqs, max_draft]."""
         raise NotImplementedError
 
-    def early_stop_plan(self, confidences: torch.Tensor, limits: list[int]
-                        ) -> tuple[int, list[int]]:
-        """Algorithm 1 over live survivals: add slots best first, stop at the first that does
-        not raise Θ. The stop at slot (r, j) reads only slots ranked above it, so it never looks
-        at x_j or later candidates: lossless with live confidences."""
-        survivals = survivals_of(confidences)
-        num_reqs = len(limits)
-        counts = [0] * num_reqs
-        # Live confidences come after drafting: that round's cost is in every Θ alike. With
-        # a-priori (tracked) confidences the plan comes first and drafting stops at its depth.
-        depth = None if self.a_priori else max(limits, default=0)
-        tokens = float(num_reqs)
-        theta = tokens / self.step_time(num_reqs, counts, depth)
-        for slot in sorted_slots(survivals, limits):
-            counts[slot.req] += 1
-            new_theta = (tokens + slot.survival) / self.step_time(num_reqs, counts, depth)
-            if new_theta <= theta:
-                counts[slot.req] -= 1
-                break
-            tokens, theta = tokens + slot.survival, new_theta
-        return sum(counts), counts
-
 
 class ConfidencePolicy(BudgetedPolicy):
     """Production: K from stale survivals, slots by current survivals (top-K, key (−a, j))."""
@@ -319,7 +297,22 @@ class ConfidenceSyncPolicy(BudgetedPolicy):
         return sum(limits), max(limits, default=0)  # live confidences decide after drafting
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        return self.early_stop_plan(confidences, limits)
+        survivals = survivals_of(confidences)
+        num_reqs = len(limits)
+        counts = [0] * num_reqs
+        # Live confidences come after drafting: that round's cost is in every Θ alike. With
+        # a-priori (tracked) confidences the plan comes first and drafting stops at its depth.
+        depth = None if self.a_priori else max(limits, default=0)
+        tokens = float(num_reqs)
+        theta = tokens / self.step_time(num_reqs, counts, depth)
+        for slot in sorted_slots(survivals, limits):
+            counts[slot.req] += 1
+            new_theta = (tokens + slot.survival) / self.step_time(num_reqs, counts, depth)
+            if new_theta <= theta:
+                counts[slot.req] -= 1
+                break
+            tokens, theta = tokens + slot.survival, new_theta
+        return sum(counts), counts
 
 
 class EqualPolicy(BudgetedPolicy):
