@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -150,13 +152,33 @@ def monotone(values: list[float]) -> tuple[float, ...]:
 
 
 def median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_medians([fn], repeats)[0]
+
+
+def interleaved_medians(fns: list[Callable[[], None]], repeats: int, seed: int = 0,
+                        desc: str | None = None) -> list[float]:
+    """Median seconds of each of `fns` over `repeats` rounds; each round runs every fn once,
+    in a fresh random order (after one warm-up round).
+
+    A shared machine's speed drifts by tens of percent within a minute. Timing one size after
+    another puts a slow spell on a contiguous run of sizes and bends the curve's shape, and the
+    scheduler decides by the shape (a further token's cost against the step's base); rounds
+    over all sizes spread a spell across them, where it only shifts the scale. `desc`: show a
+    progress bar so named."""
+    order = list(range(len(fns)))
+    bar = tqdm(total=(repeats + 1) * len(fns), desc=desc, unit="run", disable=desc is None)
+    rng = random.Random(seed)
+    times: list[list[float]] = [[] for _ in fns]
+    for rep in range(repeats + 1):
+        rng.shuffle(order)
+        for i in order:
+            start = time.perf_counter()
+            fns[i]()
+            if rep:  # round 0 warms up
+                times[i].append(time.perf_counter() - start)
+            bar.update()
+    bar.close()
+    return [statistics.median(t) for t in times]
 
 
 def hardware_key() -> str:

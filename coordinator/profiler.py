@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dspark.coordinator.cost_model import CostModel, cache_key, hardware_key, median_time, monotone
+from dspark.coordinator.cost_model import (
+    CostModel,
+    cache_key,
+    hardware_key,
+    interleaved_medians,
+    median_time,
+    monotone,
+)
 from dspark.messages import DraftQuery, NewRequest, VerifyPlan
 from dspark.models.decoder import DecoderLM
 from dspark.models.kv_cache import PagedKVCache
@@ -70,7 +77,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v3"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v4"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -120,8 +127,8 @@ def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats:
             target.add_request(NewRequest(r, prompts[i], greedy, seed=i))
         target.verify(_plan(ids, [0] * num, prompts, [0] * num))  # prefill
         target.rollback({r: context - 1 for r in ids})  # the last prompt token is the anchor
-        times = []
-        for b in tqdm(range(1, b_max + 1), desc="profile verify", unit="B"):
+        runs = []
+        for b in range(1, b_max + 1):
             shape = verify_shape(b)
             sub = ids[: len(shape)]
             inputs = [p[-1:] + tuple(range(1, n)) for p, n in zip(prompts, shape)]
@@ -131,7 +138,8 @@ def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats:
                 target.verify(plan)
                 target.rollback({r: context - 1 for r in sub})
 
-            times.append(median_time(run, repeats))
+            runs.append(run)
+        times = interleaved_medians(runs, repeats, desc="profile verify")
     finally:
         for r in ids:
             target.release(r)
@@ -167,7 +175,6 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
     grid = draft_grid(n_max)
     span = DRAFT_SPAN if getattr(proposer, "sequential_drafts", False) else max(2, block)
     rows = _hidden_rows(hidden_width)
-    first, each = [], []
     try:
         for i, r in enumerate(ids):
             proposer.add_request(NewRequest(r, (), params, seed=i))
@@ -176,10 +183,10 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
         proposer.propose([DraftQuery(r, p, 1, rows(len(p) - 1)) for r, p in zip(ids, prompts)])
         for r in ids:
             proposer.commit(r, 0)
-        for n in tqdm(grid, desc=f"profile draft ({tag})", unit="size"):
-            t1, tn = (median_time(_round(proposer, ids[:n], k, rows), repeats) for k in (1, span))
-            first.append(t1)
-            each.append(max(0.0, (tn - t1) / (span - 1)))
+        runs = [_round(proposer, ids[:n], k, rows) for n in grid for k in (1, span)]
+        times = interleaved_medians(runs, repeats, desc=f"profile draft ({tag})")
+        first = times[0::2]
+        each = [max(0.0, (tn - t1) / (span - 1)) for t1, tn in zip(times[0::2], times[1::2])]
     finally:
         for r in ids:
             proposer.release(r)

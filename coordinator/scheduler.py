@@ -31,12 +31,12 @@ import torch
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
+from dspark.coordinator.step_time_fit import Fit, StepTimeFit
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
-OVERHEAD_WEIGHT = 0.05  # weight of the newest step in the running average of unprofiled time
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
 PROBE_REQUESTS = 4  # ... for this many requests of the batch, in turn (a round costs ~R)
 
@@ -119,10 +119,9 @@ class BudgetedPolicy(Policy):
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
-        # Seconds per request per step that the profile does not explain (the engine's own
-        # work, calls to remote workers, load since profiling), learned from measured step
-        # times; see `overhead` for the key. R times it joins every estimate.
-        self._overheads: dict[tuple[bool, int], float] = {}
+        # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
+        # `time_fit` for the key.
+        self._fits: dict[tuple[bool, int], StepTimeFit] = {}
         # The step in flight, for its profiled time: its requests and drafted positions.
         self._profiled_time: tuple[int, int] | None = None
 
@@ -132,32 +131,32 @@ class BudgetedPolicy(Policy):
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
         profiled = self.cost.step_time(num_reqs + sum(counts), num_reqs, depth, self._sampled)
-        return profiled + num_reqs * self.overhead(num_reqs)
+        return self.time_fit(num_reqs).apply(profiled, num_reqs)
 
-    def overhead(self, num_reqs: int, sampled: bool | None = None) -> float:
-        """Learned unexplained seconds per request of a step (0 until observed; never below
-        0), for batches that sample or not (default: this step's) and batch sizes in powers of
-        two (1, 2–3, 4–7, ...): what is learned at one size is not scaled to another."""
+    def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
+        """How measured steps relate to the profile (`StepTimeFit`: a scale and seconds per
+        request), for batches that sample or not (default: this step's) and batch sizes in
+        powers of two (1, 2–3, 4–7, ...): what is learned at one size is not scaled to another.
+        The identity until steps of that kind were measured."""
         sampled = self._sampled if sampled is None else sampled
-        return max(0.0, self._overheads.get((sampled, num_reqs.bit_length()), 0.0))
+        fit = self._fits.get((sampled, num_reqs.bit_length()))
+        return fit.fit if fit is not None else Fit()
 
-    def observe_time(self, seconds: float, num_tokens: int) -> None:
-        """The step just committed took `seconds` end to end and verified `num_tokens` tokens
-        (prompt tokens of new requests included). The part its profiled estimate
-        does not explain, per request, joins a running average, `overheads`: on a small model
-        the engine's own work per request and step is a large share of a step, and leaving it
-        out makes every step look cheaper than it is, so speculation (fewer, longer steps)
-        looks worth less. It grows with the batch (about linearly here), hence per request.
-        One average serves steps that draft and steps that do not: learning them apart made
-        whichever was less known look cheaper, and the budget swung between them."""
+    def observe_time(self, seconds: float, num_tokens: int, worker_seconds: float) -> None:
+        """The step just committed took `seconds` end to end, `worker_seconds` of them in the
+        workers' drafting and verify calls, and verified `num_tokens` tokens (prompt tokens of
+        new requests included); it joins the fit of its kind of batch (`StepTimeFit`). On a
+        small model the engine's own work per request and step is a large share of a step, and
+        leaving it out makes every step look cheaper than it is, so speculation (fewer, longer
+        steps) looks worth less; a machine running faster than when profiled must not read as
+        negative overhead. One fit serves steps that draft and steps that do not (learning
+        them apart made whichever was less known look cheaper, and the budget swung)."""
         if self._profiled_time is None:
             return
         num_reqs, depth = self._profiled_time
         profiled = self.cost.step_time(num_tokens, num_reqs, depth, self._sampled)
-        unexplained = (seconds - profiled) / max(1, num_reqs)
         key = (self._sampled, num_reqs.bit_length())
-        old = self._overheads.get(key, 0.0)
-        self._overheads[key] = old + OVERHEAD_WEIGHT * (unexplained - old)
+        self._fits.setdefault(key, StepTimeFit()).add(profiled, num_reqs, seconds, worker_seconds)
         self._profiled_time = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
@@ -175,8 +174,9 @@ class BudgetedPolicy(Policy):
         tokens = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), a.cumsum(0)])
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
+        fit = self.time_fit(num_reqs)
         times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
-        best = int(torch.argmax(tokens / (times + num_reqs * self.overhead(num_reqs))))
+        best = int(torch.argmax(tokens / (fit.scale * times + num_reqs * fit.per_request)))
         return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]

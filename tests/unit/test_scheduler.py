@@ -8,6 +8,7 @@ import torch
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.scheduler import make_policy, sorted_slots, survivals_of
+from dspark.coordinator.step_time_fit import Fit, StepTimeFit
 from dspark.messages import Drafts, RequestStep, StepState
 
 
@@ -281,10 +282,12 @@ def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
         d = drafts_of([[0.3] * 3], ids) if any(lengths) else skipped_drafts(ids)
         planned = policy.plan_verification(d, policy.choose_budget(d))
         profiled = cost.step_time(1 + sum(planned), 1, int(any(lengths)))
-        policy.observe_time(profiled + 2.0, 1 + sum(planned))
-    assert policy.overhead(1, sampled=False) == pytest.approx(2.0, abs=1e-3)
-    assert policy.overhead(1, sampled=True) == 0.0  # sampling batches: apart
-    assert policy.overhead(2, sampled=False) == 0.0  # other batch sizes: apart
+        policy.observe_time(profiled + 2.0, 1 + sum(planned), profiled)
+    fit = policy.time_fit(1, sampled=False)
+    assert fit.per_request == pytest.approx(2.0)
+    assert fit.scale == pytest.approx(1.0)
+    assert policy.time_fit(1, sampled=True) == Fit()  # sampling batches: apart
+    assert policy.time_fit(2, sampled=False) == Fit()  # other batch sizes: apart
     assert policy.best_budget(surv, [3]) == 3
 
 
@@ -317,25 +320,27 @@ def test_a_shallow_row_is_continued_with_the_realised_rates_not_zeros() -> None:
     torch.testing.assert_close(policy.stale_survivals(ids)[0], expected, rtol=0, atol=1e-12)
 
 
-def test_overhead_is_learned_per_request() -> None:
+def test_step_time_fit_is_kept_per_kind_of_batch_and_follows_a_faster_machine() -> None:
     cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a", "b")
-    for _ in range(300):
-        lengths = policy.draft_lengths([3, 3], ids)
-        d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
-        planned = policy.plan_verification(d, policy.choose_budget(d))
-        policy.observe_time(cost.step_time(2 + sum(planned), 2, max(lengths)) + 3.0,
-                            2 + sum(planned))
-    assert policy.overhead(2, sampled=False) == pytest.approx(1.5, abs=1e-3)  # 3 s / 2
-    assert policy.overhead(3, sampled=False) == pytest.approx(1.5, abs=1e-3)  # same bucket
-    assert policy.overhead(4, sampled=False) == 0.0
-    for _ in range(300):  # steps faster than profiled: the overhead never goes below 0
-        lengths = policy.draft_lengths([3, 3], ids)
-        d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
-        planned = policy.plan_verification(d, policy.choose_budget(d))
-        policy.observe_time(0.0, 2 + sum(planned))
-    assert policy.overhead(2, sampled=False) == 0.0
+
+    def run(scale: float, other: float, steps: int) -> None:
+        for _ in range(steps):
+            lengths = policy.draft_lengths([3, 3], ids)
+            d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
+            planned = policy.plan_verification(d, policy.choose_budget(d))
+            worker = scale * cost.step_time(2 + sum(planned), 2, max(lengths))
+            policy.observe_time(worker + other, 2 + sum(planned), worker)
+
+    run(1.0, 3.0, 300)
+    assert policy.time_fit(2, sampled=False).per_request == pytest.approx(1.5)  # 3 s / 2
+    assert policy.time_fit(3, sampled=False) == policy.time_fit(2, sampled=False)  # same bucket
+    assert policy.time_fit(4, sampled=False) == Fit()
+    run(0.5, 0.02, 800)  # the machine now runs twice as fast as when profiled
+    fit = policy.time_fit(2, sampled=False)
+    assert fit.scale == pytest.approx(0.5, rel=0.01)
+    assert fit.per_request == pytest.approx(0.01, rel=0.01)
 
 
 def test_prompt_tokens_of_a_step_are_profiled_not_learned_as_overhead() -> None:
@@ -349,8 +354,24 @@ def test_prompt_tokens_of_a_step_are_profiled_not_learned_as_overhead() -> None:
     planned = policy.plan_verification(d, policy.choose_budget(d))
     assert planned == [0, 0]
     prompt_tokens = 500  # two prompts of 250 tokens: 0.501 s profiled, no drafts
-    policy.observe_time(cost.step_time(prompt_tokens) + 0.2, prompt_tokens)
-    from dspark.coordinator.scheduler import OVERHEAD_WEIGHT
+    profiled = cost.step_time(prompt_tokens)
+    policy.observe_time(profiled, prompt_tokens, profiled)
+    # Measured as profiled: the fit stays the identity (a spike would read as a slow machine).
+    fit = policy.time_fit(2, sampled=False)
+    assert fit.scale == pytest.approx(1.0) and fit.per_request == pytest.approx(0.0, abs=1e-9)
 
-    # The first observation moves the average by OVERHEAD_WEIGHT of 0.2 s / 2 requests.
-    assert policy.overhead(2, sampled=False) == pytest.approx(OVERHEAD_WEIGHT * 0.1)
+
+def test_step_time_fit_reads_scale_and_other_work_apart_and_forgets() -> None:
+    fit = StepTimeFit()
+    for r in (1, 3, 2, 5) * 50:  # workers at 0.6x the profile, 3 ms per request of other work
+        profiled = 0.01 + 0.002 * r
+        fit.add(profiled, r, 0.6 * profiled + 0.003 * r, 0.6 * profiled)
+    assert fit.fit.scale == pytest.approx(0.6)
+    assert fit.fit.per_request == pytest.approx(0.003)
+    for _ in range(400):  # the machine slows to 1.5x the profile: the old speed is forgotten
+        fit.add(0.01, 1, 0.015 + 0.003, 0.015)
+    assert fit.fit.scale == pytest.approx(1.5, rel=0.01)
+    assert fit.fit.apply(0.01, 1) == pytest.approx(0.018, rel=0.01)
+    clock_skew = StepTimeFit()
+    clock_skew.add(0.01, 1, 0.009, 0.0095)  # workers timed longer than the whole step
+    assert clock_skew.fit.per_request == 0.0
