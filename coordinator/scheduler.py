@@ -38,7 +38,7 @@ from dspark.messages import Drafts, StepState
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
-PROBE_REQUESTS = 4  # ... for this many requests of the batch, in turn (a round costs ~R)
+PROBE_REQUESTS = 4  # ... for this many requests of the batch (a round costs ~R)
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,12 @@ def sorted_slots(survivals: torch.Tensor, limits: list[int]) -> list[Slot]:
 def sorted_survivals(survivals: torch.Tensor, limits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, j) of every admissible slot, best first by key (−a, j, r): each [num_slots]."""
     num_reqs, width = survivals.shape
-    pos = torch.arange(1, width + 1).expand(num_reqs, width)
-    req = torch.arange(num_reqs)[:, None].expand(num_reqs, width)
-    valid = pos <= torch.tensor(limits, dtype=torch.long)[:, None]
-    a, j, r = survivals[valid], pos[valid], req[valid]
-    order = torch.argsort(r, stable=True)
-    order = order[torch.argsort(j[order], stable=True)]
-    order = order[torch.argsort(-a[order], stable=True)]
+    # Column-major order lists the slots by (j, r) already; one stable sort on −a then gives
+    # the full key (this runs every step).
+    pos = torch.arange(1, width + 1)[:, None].expand(width, num_reqs)  # [γ, num_reqs]
+    valid = pos <= torch.tensor(limits, dtype=torch.long)[None, :]
+    a, j = survivals.T[valid], pos[valid]
+    order = torch.argsort(-a, stable=True)
     return a[order], j[order]
 
 
@@ -119,6 +118,7 @@ class BudgetedPolicy(Policy):
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
+        self._last_drafted: dict[str, int] = {}  # request -> the last step it drafted
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
@@ -239,12 +239,21 @@ class BudgetedPolicy(Policy):
         # history (and so the budget) following the drafter.
         if self._steps % PROBE_EVERY:
             return [0] * len(limits)
-        start = (self._steps // PROBE_EVERY * PROBE_REQUESTS) % max(1, len(limits))
-        chosen = {(start + i) % len(limits) for i in range(min(PROBE_REQUESTS, len(limits)))}
-        return [n if i in chosen else 0 for i, n in enumerate(limits)]
+        return [n if i in self._probed(req_ids) else 0 for i, n in enumerate(limits)]
+
+    def _probed(self, req_ids: tuple[str, ...]) -> set[int]:
+        """The PROBE_REQUESTS rows a probe drafts: those drafted most recently (their drafter
+        context lacks the fewest rows, so the probe's catch-up is short: a request never drafted
+        would first take in its whole prompt), ties in turn from a rotating start."""
+        num = len(req_ids)
+        start = self._steps // PROBE_EVERY * PROBE_REQUESTS
+        order = sorted(range(num), key=lambda i: (-self._last_drafted.get(req_ids[i], -1),
+                                                   (i - start) % num))
+        return set(order[:PROBE_REQUESTS])
 
     def choose_budget(self, drafts: Drafts) -> int:
         if self._planned is None:
+            assert drafts.confidences is not None, "AcceptanceTracker.fill supplies confidences"
             limits = drafts.num_drafts.tolist()
             self._budget, self._planned = self.plan_from(
                 drafts.req_ids, drafts.confidences, limits, self._budget)
@@ -255,6 +264,9 @@ class BudgetedPolicy(Policy):
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
         self._profiled_time = (len(planned), max(drafted, default=0))
+        for r, n in zip(drafts.req_ids, drafted):
+            if n:
+                self._last_drafted[r] = self._steps
         if not self.a_priori and drafts.confidences is not None:
             self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
         return planned
@@ -263,6 +275,7 @@ class BudgetedPolicy(Policy):
         for s in step.requests:
             if s.finish_reason is not None:
                 self._history.pop(s.req_id, None)
+                self._last_drafted.pop(s.req_id, None)
 
     # --- what differs between policies -----------------------------------------------------------
     def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]

@@ -50,5 +50,11 @@ def allocate_ref(
 
 
 def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:
-    """Dispatch: the torch reference (sizes here are a few hundred slots)."""
+    """Dispatch: the torch reference (sizes here are a few hundred slots), skipping the sort
+    when the budget takes no slot or every slot."""
+    limits = num_drafts.clamp(0, confidences.shape[1])
+    if budget <= 0:
+        return torch.zeros_like(limits)
+    if budget >= int(limits.sum()):
+        return limits.clone()
     return allocate_ref(confidences, num_drafts, budget)

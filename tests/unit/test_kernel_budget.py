@@ -52,6 +52,7 @@ def test_matches_brute_force_on_random_cases(dyadic: bool) -> None:
         counts = allocate_ref(conf, num_drafts, budget)
         assert counts.tolist() == _brute_force(conf, num_drafts, budget), (conf, num_drafts, budget)
         assert int(counts.sum()) == min(max(budget, 0), total)
+        assert torch.equal(allocate(conf, num_drafts, budget), counts)  # its fast paths too
 
 
 def test_budget_beyond_the_slots_takes_all_of_them() -> None:
