@@ -155,6 +155,8 @@ def run_demo(num_prompts: int = 4, max_tokens: int = 64, in_process: bool = Fals
           f"ratio {n_spec / t_spec / (n_plain / t_plain):.2f}x; outputs identical: {same}")
 
 
+WARMUP_REQUESTS = 8  # per temperature, before any cell is measured
+
 POLICY_ARMS = (
     ("off", "off", 1),
     ("fixed k=1", "fixed", 1),
@@ -183,8 +185,17 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
                              max_num_seqs=max(concurrencies))
                for label, policy, k in POLICY_ARMS if arms is None or label in arms}
-    for e in engines.values():  # warm-up (and the cost-model profile, once per machine)
-        e.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))
+    # Warm-up (and the cost-model profile, once per machine): each engine first serves a few
+    # requests at every temperature of the run, so what the scheduler learns online (the
+    # head's drift correction, the step-time fit) is measured in its steady state, as in a
+    # server that has been running, not in its first hundred steps.
+    warm = prompts[-WARMUP_REQUESTS:]
+    for e in tqdm(engines.values(), desc="warm-up", unit="engine"):
+        e.max_num_seqs = max(concurrencies)
+        for temperature in temperatures:
+            e.generate(warm, [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                             ignore_eos=True, seed=10_000 + i)
+                              for i in range(len(warm))])
     results: dict[str, dict] = {}
     cells = [(t, c) for t in temperatures for c in concurrencies]
     bar = tqdm(total=len(cells) * len(engines) * repeats, desc="policies", unit="run")
