@@ -30,6 +30,7 @@ from dspark.models.kv_cache import PagedKVCache
 from dspark.sampling_params import SamplingParams
 
 VERIFY_BLOCK = 8  # tokens per request in a profiled verify batch (anchor + 7 drafts)
+VERIFY_STRIDE = 8  # past B = 16, verify sizes are timed this far apart and interpolated
 
 
 @torch.inference_mode()
@@ -77,7 +78,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v4"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v5"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -95,7 +96,8 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
     DRAFT_SPAN for a proposer that drafts one position per forward (`sequential_drafts`) and
     `block` for a parallel drafter (DSpark's one block pass: a further position still costs its
     Markov-head step and its q row, much less than a forward).
-    Draft sizes are measured on a grid and interpolated; every table is made monotone.
+    Verify and draft sizes are timed on grids (`verify_grid`, `draft_grid`) in interleaved rounds
+    (`interleaved_medians`) and interpolated; every table is made monotone.
     """
     vocab = target.config.vocab_size
     rng = torch.Generator().manual_seed(0)
@@ -127,8 +129,9 @@ def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats:
             target.add_request(NewRequest(r, prompts[i], greedy, seed=i))
         target.verify(_plan(ids, [0] * num, prompts, [0] * num))  # prefill
         target.rollback({r: context - 1 for r in ids})  # the last prompt token is the anchor
+        grid = verify_grid(b_max)
         runs = []
-        for b in range(1, b_max + 1):
+        for b in grid:
             shape = verify_shape(b)
             sub = ids[: len(shape)]
             inputs = [p[-1:] + tuple(range(1, n)) for p, n in zip(prompts, shape)]
@@ -143,7 +146,7 @@ def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats:
     finally:
         for r in ids:
             target.release(r)
-    return monotone(times)
+    return monotone(_interpolate(grid, times))
 
 
 def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_draft: list[int]
@@ -155,6 +158,14 @@ def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_
             drafts[i, :n] = torch.tensor(toks[-n:])
     return VerifyPlan(tuple(ids), tuple(starts), tuple(inputs), tuple(num_draft), drafts, None,
                       sum(num_draft))
+
+
+def verify_grid(b_max: int) -> list[int]:
+    """Verify sizes that are timed: every B up to 16, then every multiple of VERIFY_STRIDE (the
+    sizes a CUDA-graph engine captures, where its step time changes), and b_max."""
+    sizes = list(range(1, min(16, b_max) + 1))
+    sizes += list(range(16 + VERIFY_STRIDE, b_max, VERIFY_STRIDE))
+    return sizes + ([b_max] if b_max > sizes[-1] else [])
 
 
 def draft_grid(n_max: int) -> list[int]:

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from dspark.coordinator.cost_model import CostModel
-from dspark.coordinator.profiler import PROFILE_VERSION, draft_grid, load_or_profile, profile_workers
+from dspark.coordinator.profiler import (
+    PROFILE_VERSION,
+    draft_grid,
+    load_or_profile,
+    profile_workers,
+    verify_grid,
+)
 from dspark.draft_worker.draft_model import DraftModelProposer
 from dspark.target_worker.runner import TargetRunner
 
@@ -34,6 +40,12 @@ def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(wor
     assert cost.meta["method"] == PROFILE_VERSION
     assert target.usage() == {"requests": [], "used_blocks": 0}
     assert proposer.usage() == {"requests": [], "used_blocks": 0}
+
+
+def test_verify_grid_is_dense_then_strided_and_ends_at_b_max() -> None:
+    assert verify_grid(12) == list(range(1, 13))
+    assert verify_grid(40) == list(range(1, 17)) + [24, 32, 40]
+    assert verify_grid(45) == list(range(1, 17)) + [24, 32, 40, 45]
 
 
 def test_no_proposer_gets_no_draft_tables(workers) -> None:
@@ -107,3 +119,16 @@ def test_parallel_drafters_are_profiled_by_round_and_by_position(tmp_path, one_t
         assert cost.draft_time(3, 4) == pytest.approx(cost.draft_first[2] + 3 * cost.draft[2])
         assert proposer.usage()["requests"] == []
     assert target.usage() == {"requests": [], "used_blocks": 0}
+
+
+def test_interleaved_medians_time_every_size_in_each_round_in_a_new_order() -> None:
+    from dspark.coordinator.cost_model import interleaved_medians
+
+    calls: list[int] = []
+    fns = [lambda i=i: calls.append(i) for i in range(6)]
+    medians = interleaved_medians(fns, repeats=4, seed=1)
+    assert len(medians) == 6 and all(m >= 0 for m in medians)
+    rounds = [calls[i:i + 6] for i in range(0, len(calls), 6)]
+    assert len(rounds) == 5  # a warm-up round, then 4 timed ones
+    assert all(sorted(r) == list(range(6)) for r in rounds)  # each round runs every fn once
+    assert len({tuple(r) for r in rounds}) > 1  # in shuffled orders
