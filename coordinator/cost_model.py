@@ -1,17 +1,18 @@
 """Step-cost model: how long a verify pass of B tokens and a drafting round take.
 
-Profiled at start-up (or by `dspark profile`): the median of repeats for every verify size
-B = 1..B_max and every draft batch size n = 1..n_max, made monotone (a running maximum: a larger
-batch never costs less), persisted as JSON keyed by model and hardware, and reloaded.
+Profiled at start-up (or by `dspark profile`): medians of interleaved rounds over a grid of
+verify sizes B up to B_max and draft batch sizes n up to n_max, interpolated and made monotone
+(a larger batch never costs less), persisted as JSON keyed by model and hardware, and reloaded.
 
 The scheduler asks `step_time(B, num_reqs, draft_positions, sampled)`: the verify time of B tokens
 plus the drafting round (an autoregressive draft model: one forward per position; DSpark: one
 block pass, then a Markov-head step and a q row per position): its first position
 (`draft_first`: the catch-up over the committed tokens the drafter lacks and the call's fixed
-cost) and each further position (`draft`), each measured greedy and sampling (`*_sampled`:
-warp and draw per position), since a round at temperature > 0 costs more. A profile of the
-real worker verbs (`coordinator.profiler.profile_workers`) fills every table; a forward-only
-profile fills `verify` and `draft` and leaves the others empty (then they default to `draft`).
+cost) and each further position (`draft`). Each table is measured greedy and sampling
+(`*_sampled`): at temperature > 0 a round warps and draws per position, and a verify pass
+warps p and reads each draft's q. A profile of the real worker verbs
+(`coordinator.profiler.profile_workers`) fills every table; a forward-only profile fills
+`verify` and `draft` and leaves the others empty (they then default to those two).
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ class CostModel:
     draft_first: tuple[float, ...] = ()  # [n_max] seconds of a round's first position
     draft_sampled: tuple[float, ...] = ()  # [n_max] `draft` at temperature 1
     draft_first_sampled: tuple[float, ...] = ()  # [n_max] `draft_first` at temperature 1
+    # [B_max] `verify` when the batch samples: p is warped and each draft's q(x) read
+    verify_sampled: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.verify:
             raise ValueError("CostModel.verify: needs at least one measurement")
 
-    def verify_time(self, num_tokens: int) -> float:
+    def verify_time(self, num_tokens: int, sampled: bool = False) -> float:
         """Time of a verify pass of `num_tokens`; linear extrapolation past the profiled range."""
-        return _lookup(self.verify, num_tokens)
+        return _lookup(self.verify_sampled if sampled and self.verify_sampled else self.verify,
+                       num_tokens)
 
     def _draft_costs(self, num_reqs: int, sampled: bool) -> tuple[float, float]:
         """(first position, each further position) of a drafting round over `num_reqs`."""
@@ -69,22 +73,37 @@ class CostModel:
 
     def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0,
                   sampled: bool = False) -> float:
-        return self.verify_time(num_tokens) + self.draft_time(num_reqs, draft_positions, sampled)
+        return (self.verify_time(num_tokens, sampled)
+                + self.draft_time(num_reqs, draft_positions, sampled))
+
+    def step_parts(
+        self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor,
+        sampled: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([n], [n]) float64
+        """(verify, drafting) seconds of many steps at once (num_tokens, draft_positions: [n]
+        int): `verify_time` and `draft_time`, vectorised."""
+        table = self._verify_sampled_tensor if sampled and self.verify_sampled else self._verify_tensor
+        verify = _lookup_many(table, num_tokens)
+        first, each = self._draft_costs(num_reqs, sampled)
+        positions = draft_positions.clamp(min=0).to(torch.float64)
+        drafting = torch.where(positions > 0, first + (positions - 1) * each, 0.0)
+        return verify, drafting
 
     def step_times(
         self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor,
         sampled: bool = False,
     ) -> torch.Tensor:  # [n] float64
-        """`step_time` for many verify sizes at once (num_tokens, draft_positions: [n] int)."""
-        verify = _lookup_many(self._verify_tensor, num_tokens)
-        first, each = self._draft_costs(num_reqs, sampled)
-        positions = draft_positions.clamp(min=0).to(torch.float64)
-        drafting = torch.where(positions > 0, first + (positions - 1) * each, 0.0)
+        """`step_time` for many steps at once (num_tokens, draft_positions: [n] int)."""
+        verify, drafting = self.step_parts(num_tokens, num_reqs, draft_positions, sampled)
         return verify + drafting
 
     @functools.cached_property
     def _verify_tensor(self) -> torch.Tensor:  # [B_max] float64, built once (frozen tables)
         return torch.tensor(self.verify, dtype=torch.float64)
+
+    @functools.cached_property
+    def _verify_sampled_tensor(self) -> torch.Tensor:  # [B_max] float64
+        return torch.tensor(self.verify_sampled, dtype=torch.float64)
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -110,7 +129,8 @@ class CostModel:
         return cls("linear", verify, draft)
 
 
-_TABLES = ("verify", "draft", "draft_first", "draft_sampled", "draft_first_sampled")
+_TABLES = ("verify", "draft", "draft_first", "draft_sampled", "draft_first_sampled",
+           "verify_sampled")
 
 
 def _lookup(table: tuple[float, ...], n: int) -> float:

@@ -376,7 +376,7 @@ class Engine:
             self._sent_to_drafter[r.req_id] = r.num_tokens
         clock = time.perf_counter()
         drafts = self.proposer.propose(queries)
-        worker_seconds = time.perf_counter() - clock
+        draft_seconds = time.perf_counter() - clock
         drafts = self.tracker.fill(drafts, [self._running[i].params.temperature > 0
                                             for i in drafts.req_ids])
         budget = self.policy.choose_budget(drafts)
@@ -388,7 +388,7 @@ class Engine:
         except WorkerLost as e:
             self._recover_target(e)
             return None
-        worker_seconds += time.perf_counter() - clock
+        verify_seconds = time.perf_counter() - clock
         if result.hidden is not None:
             for req_id, rows in zip(result.req_ids, result.hidden):
                 self._pending_hidden.setdefault(req_id, []).append(rows)
@@ -402,7 +402,8 @@ class Engine:
         self.policy.observe(state)
         self._record(state, drafts, planned, start)
         self.policy.observe_time(time.perf_counter() - start,
-                                 sum(len(ids) for ids in plan.input_ids), worker_seconds)
+                                 sum(len(ids) for ids in plan.input_ids), draft_seconds,
+                                 verify_seconds)
         return state
 
     def _record(self, state: StepState, drafts: Drafts, planned: list[int], start: float) -> None:

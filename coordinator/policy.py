@@ -7,8 +7,8 @@ One interface for every policy:
 - `choose_budget(drafts)`: K, the total draft positions to verify this step;
 - `plan_verification(drafts, K)`: ℓ_r per request, Σ ℓ_r <= K, a prefix of each request's drafts;
 - `observe(step)`: feedback after commit (acceptance history for adaptive policies);
-- `observe_time(seconds, num_tokens, worker_seconds)`: the step's measured duration, and the
-  part of it spent in the workers' drafting and verify calls (cost-aware policies).
+- `observe_time(seconds, num_tokens, draft_seconds, verify_seconds)`: the step's measured
+  duration, and the parts of it spent in the drafting and the verify call (cost-aware policies).
 
 The confidence-scheduled policies (`equal`, `confidence-sync`, `confidence`) implement the same
 interface in `coordinator/scheduler.py`, which also holds the registry `make_policy`.
@@ -39,7 +39,7 @@ class Policy(ABC):
         """Called after every commit; adaptive policies learn from it."""
 
     def observe_time(  # noqa: B027 - optional hook
-        self, seconds: float, num_tokens: int, worker_seconds: float
+        self, seconds: float, num_tokens: int, draft_seconds: float, verify_seconds: float
     ) -> None:
         """Called after every step with its measured duration, the tokens it verified (prompt
         tokens included) and the seconds spent in the workers' `propose` and `verify` calls;

@@ -78,7 +78,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v5"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v6"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -89,7 +89,8 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
     """Time the engine's own verbs on scratch requests (released afterwards).
 
     verify[B-1]: `target.verify` of B tokens (requests of anchor + 7 drafts, the last shorter)
-    after `context` cached tokens, acceptance included. Drafting rounds over n requests are
+    after `context` cached tokens, acceptance included; verify_sampled: the same at temperature
+    1, drafts with their q. Drafting rounds over n requests are
     timed after CATCH_UP new committed tokens (with their target hidden rows for a drafter that
     reads them), greedy and at temperature 1:
     with 1 and S positions, draft_first = t(1) and draft = (t(S) - t(1)) / (S - 1), where S is
@@ -106,7 +107,7 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
         return tuple(torch.randint(0, vocab, (context,), generator=rng).tolist())
 
     verify = _profile_verify(target, prompt, b_max, context, repeats)
-    tables: dict[str, tuple[float, ...]] = {}
+    tables = {"verify_sampled": _profile_verify(target, prompt, b_max, context, repeats, True)}
     if proposer is not None:
         width = target.config.hidden_size * len(getattr(proposer, "hidden_layers", ()))
         for sampled in (False, True):
@@ -118,15 +119,17 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
     return CostModel(key or hardware_key(), verify, meta=meta, **tables)
 
 
-def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats: int
-                    ) -> tuple[float, ...]:
+def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats: int,
+                    sampled: bool = False) -> tuple[float, ...]:
     num = math.ceil(b_max / VERIFY_BLOCK)
-    ids = [f"__profile-verify-{i}" for i in range(num)]
+    tag = "sampled" if sampled else "greedy"
+    ids = [f"__profile-verify-{tag}-{i}" for i in range(num)]
     prompts = [prompt() for _ in ids]
-    greedy = SamplingParams(temperature=0)
+    params = SamplingParams(temperature=1.0 if sampled else 0.0)
+    vocab = target.config.vocab_size
     try:
         for i, r in enumerate(ids):
-            target.add_request(NewRequest(r, prompts[i], greedy, seed=i))
+            target.add_request(NewRequest(r, prompts[i], params, seed=i))
         target.verify(_plan(ids, [0] * num, prompts, [0] * num))  # prefill
         target.rollback({r: context - 1 for r in ids})  # the last prompt token is the anchor
         grid = verify_grid(b_max)
@@ -135,28 +138,34 @@ def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats:
             shape = verify_shape(b)
             sub = ids[: len(shape)]
             inputs = [p[-1:] + tuple(range(1, n)) for p, n in zip(prompts, shape)]
-            plan = _plan(sub, [context - 1] * len(sub), inputs, [n - 1 for n in shape])
+            plan = _plan(sub, [context - 1] * len(sub), inputs, [n - 1 for n in shape],
+                         vocab if sampled else 0)
 
             def run(plan: VerifyPlan = plan, sub: list[str] = sub) -> None:
                 target.verify(plan)
                 target.rollback({r: context - 1 for r in sub})
 
             runs.append(run)
-        times = interleaved_medians(runs, repeats, desc="profile verify")
+        times = interleaved_medians(runs, repeats, desc=f"profile verify ({tag})")
     finally:
         for r in ids:
             target.release(r)
     return monotone(_interpolate(grid, times))
 
 
-def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_draft: list[int]
-          ) -> VerifyPlan:
+def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_draft: list[int],
+          vocab: int = 0) -> VerifyPlan:
+    """A verify plan whose drafts are the inputs' last tokens; with `vocab`, drafted from a
+    uniform q (a sampled batch reads each draft's q), else deterministic (q one-hot)."""
     width = max(num_draft, default=0)
     drafts = torch.full((len(ids), width), -1, dtype=torch.long)  # [num_reqs, max_draft]
     for i, (toks, n) in enumerate(zip(inputs, num_draft)):
         if n:
             drafts[i, :n] = torch.tensor(toks[-n:])
-    return VerifyPlan(tuple(ids), tuple(starts), tuple(inputs), tuple(num_draft), drafts, None,
+    probs = None
+    if vocab and width:
+        probs = torch.full((len(ids), width, vocab), 1.0 / vocab, dtype=torch.float64)
+    return VerifyPlan(tuple(ids), tuple(starts), tuple(inputs), tuple(num_draft), drafts, probs,
                       sum(num_draft))
 
 

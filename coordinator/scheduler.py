@@ -130,8 +130,9 @@ class BudgetedPolicy(Policy):
         """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
-        profiled = self.cost.step_time(num_reqs + sum(counts), num_reqs, depth, self._sampled)
-        return self.time_fit(num_reqs).apply(profiled, num_reqs)
+        verify = self.cost.verify_time(num_reqs + sum(counts), self._sampled)
+        drafting = self.cost.draft_time(num_reqs, depth, self._sampled)
+        return self.time_fit(num_reqs).apply(verify, drafting, num_reqs)
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: a scale and seconds per
@@ -142,21 +143,25 @@ class BudgetedPolicy(Policy):
         fit = self._fits.get((sampled, num_reqs.bit_length()))
         return fit.fit if fit is not None else Fit()
 
-    def observe_time(self, seconds: float, num_tokens: int, worker_seconds: float) -> None:
-        """The step just committed took `seconds` end to end, `worker_seconds` of them in the
-        workers' drafting and verify calls, and verified `num_tokens` tokens (prompt tokens of
-        new requests included); it joins the fit of its kind of batch (`StepTimeFit`). On a
-        small model the engine's own work per request and step is a large share of a step, and
-        leaving it out makes every step look cheaper than it is, so speculation (fewer, longer
-        steps) looks worth less; a machine running faster than when profiled must not read as
-        negative overhead. One fit serves steps that draft and steps that do not (learning
-        them apart made whichever was less known look cheaper, and the budget swung)."""
+    def observe_time(self, seconds: float, num_tokens: int, draft_seconds: float,
+                     verify_seconds: float) -> None:
+        """The step just committed took `seconds` end to end, of them `draft_seconds` in the
+        drafting call and `verify_seconds` in the verify call, and verified `num_tokens` tokens
+        (prompt tokens of new requests included); it joins the fit of its kind of batch
+        (`StepTimeFit`). On a small model the engine's own work per request and step is a large
+        share of a step, and leaving it out makes every step look cheaper than it is, so
+        speculation (fewer, longer steps) looks worth less; a machine running faster than when
+        profiled must not read as negative overhead. One fit serves steps that draft and steps
+        that do not (learning them apart made whichever was less known look cheaper, and the
+        budget swung)."""
         if self._profiled_time is None:
             return
         num_reqs, depth = self._profiled_time
-        profiled = self.cost.step_time(num_tokens, num_reqs, depth, self._sampled)
+        verify = self.cost.verify_time(num_tokens, self._sampled)
+        drafting = self.cost.draft_time(num_reqs, depth, self._sampled)
         key = (self._sampled, num_reqs.bit_length())
-        self._fits.setdefault(key, StepTimeFit()).add(profiled, num_reqs, seconds, worker_seconds)
+        self._fits.setdefault(key, StepTimeFit()).add(
+            verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds)
         self._profiled_time = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
@@ -175,8 +180,9 @@ class BudgetedPolicy(Policy):
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         fit = self.time_fit(num_reqs)
-        times = self.cost.step_times(num_reqs + ks, num_reqs, depths, self._sampled)
-        best = int(torch.argmax(tokens / (fit.scale * times + num_reqs * fit.per_request)))
+        verify, drafting = self.cost.step_parts(num_reqs + ks, num_reqs, depths, self._sampled)
+        times = fit.verify_scale * verify + fit.draft_scale * drafting + num_reqs * fit.per_request
+        best = int(torch.argmax(tokens / times))
         return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]

@@ -1,17 +1,20 @@
-"""Online correction of the profiled step time: measured ≈ scale · profiled + R · per_request.
+"""Online correction of the profiled step time:
+measured ≈ verify_scale · profiled verify + draft_scale · profiled drafting + R · per_request.
 
 The profile is taken once; measured steps then differ from it in two ways, and the engine
-times both parts of each step, so each is read off directly (no regression to split them):
-- scale = Σ worker seconds / Σ profiled seconds: the time of the profiled verbs themselves
-  (drafting round, verify pass) against the profile's estimate for them. A shared machine (or
-  a GPU at another clock) runs everything faster or slower than when it was profiled. By
-  itself a scale never changes the budget (the argmax of tokens / time is the same), but read
-  as an additive error it would;
+times each part of a step, so each is read off directly (no regression to split them):
+- scales = Σ measured seconds / Σ profiled seconds of the verify calls and, apart, of the
+  drafting calls. A shared machine (or a GPU at another clock) runs faster or slower than when
+  it was profiled, and not alike for both: the profile's drafting rounds and verify passes
+  cannot match every live batch (contexts, catch-up lengths). A common scale never changes the
+  budget (the argmax of tokens / time is the same), but read as an additive error it would,
+  and a drafting round dearer or cheaper than profiled changes what speculation costs;
 - per_request = Σ (seconds − worker seconds) / Σ R: the step's other work (the engine's
   bookkeeping, planning, commit and rollback), about linear in the batch size R. It is a fixed
   cost of every step, so it makes speculation (fewer, longer steps) worth more.
 
 Sums are exponentially weighted (FORGET^age), so the fit follows a machine whose speed drifts.
+A scale stays 1 until its part has been profiled at more than zero seconds.
 """
 
 from __future__ import annotations
@@ -23,28 +26,31 @@ FORGET = 0.98  # weight kept by each older step: the fit follows ~50 recent step
 
 @dataclass(frozen=True)
 class Fit:
-    scale: float = 1.0
+    verify_scale: float = 1.0
+    draft_scale: float = 1.0
     per_request: float = 0.0  # seconds per request per step
 
-    def apply(self, profiled: float, num_reqs: int) -> float:
-        return self.scale * profiled + num_reqs * self.per_request
+    def apply(self, verify: float, drafting: float, num_reqs: int) -> float:
+        """Estimated seconds of a step whose profiled parts are `verify` and `drafting`."""
+        return self.verify_scale * verify + self.draft_scale * drafting + num_reqs * self.per_request
 
 
 class StepTimeFit:
     """Running weighted sums of one kind of step's profiled and measured times."""
 
     def __init__(self) -> None:
-        self._profiled = self._worker = self._other = self._reqs = 0.0
+        # [profiled verify, measured verify, profiled drafting, measured drafting, other, R]
+        self._sums = [0.0] * 6
         self.fit = Fit()
 
-    def add(self, profiled: float, num_reqs: int, seconds: float, worker_seconds: float) -> Fit:
-        """One step: `profiled` its estimate from the profile, `seconds` its measured end-to-end
-        time, `worker_seconds` the part spent in the profiled verbs."""
-        f = FORGET
-        self._profiled = f * self._profiled + profiled
-        self._worker = f * self._worker + worker_seconds
-        self._other = f * self._other + max(0.0, seconds - worker_seconds)
-        self._reqs = f * self._reqs + num_reqs
-        if self._profiled > 0 and self._reqs > 0:
-            self.fit = Fit(self._worker / self._profiled, self._other / self._reqs)
+    def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
+            verify_seconds: float, draft_seconds: float) -> Fit:
+        """One step: `verify`, `drafting` its profiled parts; `seconds` its measured end-to-end
+        time, `verify_seconds` and `draft_seconds` the parts spent in those calls."""
+        other = max(0.0, seconds - verify_seconds - draft_seconds)
+        new = (verify, verify_seconds, drafting, draft_seconds, other, float(num_reqs))
+        self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
+        pv, mv, pd, md, other_sum, reqs = self._sums
+        self.fit = Fit(mv / pv if pv > 0 else 1.0, md / pd if pd > 0 else 1.0,
+                       other_sum / reqs if reqs > 0 else 0.0)
         return self.fit

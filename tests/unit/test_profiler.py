@@ -20,6 +20,7 @@ from dspark.draft_worker.draft_model import DraftModelProposer
 from dspark.target_worker.runner import TargetRunner
 
 TABLES = ("draft_first", "draft", "draft_first_sampled", "draft_sampled")
+VERIFY_TABLES = ("verify", "verify_sampled")
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(wor
     target, proposer = workers
     cost = profile_workers(target, proposer, b_max=12, n_max=5, context=20, repeats=1)
     assert len(cost.verify) == 12
-    for name in ("verify",) + TABLES:
+    for name in VERIFY_TABLES + TABLES:
         table = getattr(cost, name)
-        assert len(table) == (12 if name == "verify" else 5), name
+        assert len(table) == (12 if name in VERIFY_TABLES else 5), name
         assert all(t > 0 for t in table) or name in ("draft", "draft_sampled"), name
         assert all(a <= b for a, b in zip(table, table[1:])), f"{name} is not monotone"
     assert cost.meta["method"] == PROFILE_VERSION
@@ -132,3 +133,12 @@ def test_interleaved_medians_time_every_size_in_each_round_in_a_new_order() -> N
     assert len(rounds) == 5  # a warm-up round, then 4 timed ones
     assert all(sorted(r) == list(range(6)) for r in rounds)  # each round runs every fn once
     assert len({tuple(r) for r in rounds}) > 1  # in shuffled orders
+
+
+def test_sampled_batches_read_the_sampled_verify_table_if_profiled() -> None:
+    cost = CostModel("t", verify=(1.0, 2.0), verify_sampled=(1.5, 3.0))
+    assert cost.verify_time(2) == 2.0 and cost.verify_time(2, sampled=True) == 3.0
+    assert cost.step_time(2, 1, 0, sampled=True) == 3.0
+    verify, drafting = cost.step_parts(torch.tensor([1, 2]), 1, torch.tensor([0, 0]), True)
+    assert verify.tolist() == [1.5, 3.0] and drafting.tolist() == [0.0, 0.0]
+    assert CostModel("t", verify=(1.0, 2.0)).verify_time(2, sampled=True) == 2.0  # older profile

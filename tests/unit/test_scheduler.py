@@ -294,11 +294,12 @@ def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
         lengths = policy.draft_lengths([3], ids)
         d = drafts_of([[0.3] * 3], ids) if any(lengths) else skipped_drafts(ids)
         planned = policy.plan_verification(d, policy.choose_budget(d))
-        profiled = cost.step_time(1 + sum(planned), 1, int(any(lengths)))
-        policy.observe_time(profiled + 2.0, 1 + sum(planned), profiled)
+        verify = cost.verify_time(1 + sum(planned))
+        drafting = cost.draft_time(1, int(any(lengths)))
+        policy.observe_time(verify + drafting + 2.0, 1 + sum(planned), drafting, verify)
     fit = policy.time_fit(1, sampled=False)
     assert fit.per_request == pytest.approx(2.0)
-    assert fit.scale == pytest.approx(1.0)
+    assert fit.verify_scale == pytest.approx(1.0) and fit.draft_scale == pytest.approx(1.0)
     assert policy.time_fit(1, sampled=True) == Fit()  # sampling batches: apart
     assert policy.time_fit(2, sampled=False) == Fit()  # other batch sizes: apart
     assert policy.best_budget(surv, [3]) == 3
@@ -338,21 +339,25 @@ def test_step_time_fit_is_kept_per_kind_of_batch_and_follows_a_faster_machine() 
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a", "b")
 
-    def run(scale: float, other: float, steps: int) -> None:
+    def run(verify_scale: float, draft_scale: float, other: float, steps: int) -> None:
         for _ in range(steps):
             lengths = policy.draft_lengths([3, 3], ids)
             d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
             planned = policy.plan_verification(d, policy.choose_budget(d))
-            worker = scale * cost.step_time(2 + sum(planned), 2, max(lengths))
-            policy.observe_time(worker + other, 2 + sum(planned), worker)
+            verify = verify_scale * cost.verify_time(2 + sum(planned))
+            drafting = draft_scale * cost.draft_time(2, max(lengths))
+            policy.observe_time(verify + drafting + other, 2 + sum(planned), drafting, verify)
 
-    run(1.0, 3.0, 300)
+    run(1.0, 1.0, 3.0, 300)
     assert policy.time_fit(2, sampled=False).per_request == pytest.approx(1.5)  # 3 s / 2
     assert policy.time_fit(3, sampled=False) == policy.time_fit(2, sampled=False)  # same bucket
     assert policy.time_fit(4, sampled=False) == Fit()
-    run(0.5, 0.02, 800)  # the machine now runs twice as fast as when profiled
+    # The machine now verifies twice as fast as when profiled, and drafts at 0.8 of the
+    # profile (probes draft every PROBE_EVERY steps, so drafting is measured too).
+    run(0.5, 0.8, 0.02, 800)
     fit = policy.time_fit(2, sampled=False)
-    assert fit.scale == pytest.approx(0.5, rel=0.01)
+    assert fit.verify_scale == pytest.approx(0.5, rel=0.01)
+    assert fit.draft_scale == pytest.approx(0.8, rel=0.01)
     assert fit.per_request == pytest.approx(0.01, rel=0.01)
 
 
@@ -368,23 +373,27 @@ def test_prompt_tokens_of_a_step_are_profiled_not_learned_as_overhead() -> None:
     assert planned == [0, 0]
     prompt_tokens = 500  # two prompts of 250 tokens: 0.501 s profiled, no drafts
     profiled = cost.step_time(prompt_tokens)
-    policy.observe_time(profiled, prompt_tokens, profiled)
+    policy.observe_time(profiled, prompt_tokens, 0.0, profiled)
     # Measured as profiled: the fit stays the identity (a spike would read as a slow machine).
     fit = policy.time_fit(2, sampled=False)
-    assert fit.scale == pytest.approx(1.0) and fit.per_request == pytest.approx(0.0, abs=1e-9)
+    assert fit.verify_scale == pytest.approx(1.0) and fit.draft_scale == 1.0
+    assert fit.per_request == pytest.approx(0.0, abs=1e-9)
 
 
-def test_step_time_fit_reads_scale_and_other_work_apart_and_forgets() -> None:
+def test_step_time_fit_reads_scales_and_other_work_apart_and_forgets() -> None:
     fit = StepTimeFit()
-    for r in (1, 3, 2, 5) * 50:  # workers at 0.6x the profile, 3 ms per request of other work
-        profiled = 0.01 + 0.002 * r
-        fit.add(profiled, r, 0.6 * profiled + 0.003 * r, 0.6 * profiled)
-    assert fit.fit.scale == pytest.approx(0.6)
+    for r in (1, 3, 2, 5) * 50:  # verify at 0.6x the profile, drafting at 1.3x, 3 ms/request
+        verify, drafting = 0.01 + 0.002 * r, 0.004 * r
+        fit.add(verify, drafting, r, 0.6 * verify + 1.3 * drafting + 0.003 * r,
+                0.6 * verify, 1.3 * drafting)
+    assert fit.fit.verify_scale == pytest.approx(0.6)
+    assert fit.fit.draft_scale == pytest.approx(1.3)
     assert fit.fit.per_request == pytest.approx(0.003)
-    for _ in range(400):  # the machine slows to 1.5x the profile: the old speed is forgotten
-        fit.add(0.01, 1, 0.015 + 0.003, 0.015)
-    assert fit.fit.scale == pytest.approx(1.5, rel=0.01)
-    assert fit.fit.apply(0.01, 1) == pytest.approx(0.018, rel=0.01)
+    for _ in range(400):  # verify slows to 1.5x the profile: the old speed is forgotten
+        fit.add(0.01, 0.0, 1, 0.015 + 0.003, 0.015, 0.0)
+    assert fit.fit.verify_scale == pytest.approx(1.5, rel=0.01)
+    assert fit.fit.apply(0.01, 0.0, 1) == pytest.approx(0.018, rel=0.01)
     clock_skew = StepTimeFit()
-    clock_skew.add(0.01, 1, 0.009, 0.0095)  # workers timed longer than the whole step
+    clock_skew.add(0.01, 0.0, 1, 0.009, 0.0095, 0.0)  # calls timed longer than the whole step
     assert clock_skew.fit.per_request == 0.0
+    assert clock_skew.fit.draft_scale == 1.0  # nothing drafted yet: no evidence either way
