@@ -96,6 +96,15 @@ class StaleRow:
         return self.value
 
 
+def probe_interval(num_reqs: int) -> int:
+    """Steps between probes of an idle parallel drafter: PROBE_EVERY for PROBE_REQUESTS or more
+    requests, proportionally sooner for fewer, so each request is probed as often. A lone
+    request idled by a few hard blocks then learns within a few steps that the text turned
+    easy again (its probe costs part of one step), instead of decoding without speculation
+    for PROBE_EVERY steps."""
+    return max(1, PROBE_EVERY * min(max(num_reqs, 1), PROBE_REQUESTS) // PROBE_REQUESTS)
+
+
 def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
     return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
 
@@ -241,9 +250,9 @@ class BudgetedPolicy(Policy):
             # the round and would not be admitted.
             return [min(n, depth) for n in limits]
         # A parallel drafter (DSpark) with nothing to verify skips its round, except every
-        # PROBE_EVERY steps for PROBE_REQUESTS requests in turn (whole blocks), which keeps the
+        # `probe_interval` steps for PROBE_REQUESTS requests (whole blocks), which keeps the
         # history (and so the budget) following the drafter.
-        if self._steps % PROBE_EVERY:
+        if self._steps % probe_interval(len(limits)):
             return [0] * len(limits)
         return [n if i in self._probed(req_ids) else 0 for i, n in enumerate(limits)]
 

@@ -181,13 +181,15 @@ def skipped_drafts(ids: tuple[str, ...]) -> Drafts:
 
 
 def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -> None:
-    from dspark.coordinator.scheduler import PROBE_EVERY
+    from dspark.coordinator.scheduler import PROBE_EVERY, probe_interval
 
+    every = probe_interval(2)
+    assert every == PROBE_EVERY // 2  # two requests: probed twice as often as four or more
     cost = CostModel.linear(1.0, 2.0)  # verification so dear that K = 0 at the prior rates
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a", "b")
     asked = []
-    for _ in range(2 * PROBE_EVERY):
+    for _ in range(2 * every):
         lengths = policy.draft_lengths([3, 3], ids)
         asked.append(lengths)
         # The probes find a drafter not worth its round (c = 0.1): K stays 0 throughout.
@@ -196,7 +198,7 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
         assert k == 0 and policy.plan_verification(d, k) == [0, 0]
         policy.observe(step_of(ids, [0, 0], [0, 0]))
     probes = [i + 1 for i, lengths in enumerate(asked) if any(lengths)]
-    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY]
+    assert probes == [every, 2 * every]
     assert all(lengths == [3, 3] for lengths in asked if any(lengths))  # 2 <= PROBE_REQUESTS
 
 
@@ -261,24 +263,29 @@ def test_parallel_round_cost_is_charged_only_when_something_is_verified() -> Non
 
 def test_a_lone_request_idled_by_bad_blocks_speculates_again_after_a_good_probe() -> None:
     # Regression: the history read rows two *pushes* back, so for a lone request whose budget
-    # fell to 0 a probe's row waited for the next probe, PROBE_EVERY steps later. Rows are now
-    # read two *steps* after they were drafted.
-    from dspark.coordinator.scheduler import PROBE_EVERY
+    # fell to 0 a probe's row waited for the next probe. Rows are now read two *steps* after
+    # they were drafted, and a lone request is probed every probe_interval(1) steps.
+    from dspark.coordinator.scheduler import PROBE_EVERY, probe_interval
 
+    every = probe_interval(1)
+    assert every < PROBE_EVERY
     cost = CostModel.linear(1.0, 0.3)
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a",)
-    budgets = []
-    for step in range(1, PROBE_EVERY + 4):
+    budgets, probes = [], []
+    for step in range(1, 2 * every + 4):
         lengths = policy.draft_lengths([3], ids)
-        good = step >= PROBE_EVERY  # the text turns easy at the probe
+        good = step >= 2 * every  # the text turns easy at the second probe
+        if any(lengths) and not good:
+            probes.append(step)
         d = drafts_of([[0.95 if good else 0.02] * 3], ids) if any(lengths) else skipped_drafts(ids)
         k = policy.choose_budget(d)
         budgets.append(k)
         policy.plan_verification(d, k)
         policy.observe(step_of(ids, [k], [0]))
-    assert budgets[PROBE_EVERY - 2] == 0  # idle before the probe
-    assert budgets[PROBE_EVERY + 1] > 0  # two steps after the probe (steps are 1-based)
+    assert every in probes  # the first probe found the text still hard ...
+    assert budgets[2 * every - 2] == 0  # ... so the request stayed idle until the second
+    assert budgets[2 * every + 1] > 0  # two steps after the good probe (steps are 1-based)
 
 
 def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
