@@ -38,7 +38,8 @@ from dspark.messages import Drafts, StepState
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
-PROBE_REQUESTS = 4  # ... for this many requests of the batch (a round costs ~R)
+PROBE_REQUESTS = 2  # ... for this many requests of the batch (a round costs ~R) ...
+PROBE_EVERY_ALONE = 4  # ... and every this many steps for a lone request (`probe_interval`)
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,14 @@ class StaleRow:
 
 
 def probe_interval(num_reqs: int) -> int:
-    """Steps between probes of an idle parallel drafter: PROBE_EVERY for PROBE_REQUESTS or more
-    requests, proportionally sooner for fewer, so each request is probed as often. A lone
-    request idled by a few hard blocks then learns within a few steps that the text turned
-    easy again (its probe costs part of one step), instead of decoding without speculation
-    for PROBE_EVERY steps."""
-    return max(1, PROBE_EVERY * min(max(num_reqs, 1), PROBE_REQUESTS) // PROBE_REQUESTS)
+    """Steps between probes of an idle parallel drafter: PROBE_EVERY_ALONE for a lone request,
+    growing with the batch to PROBE_EVERY. A lone request idled by a few hard blocks learns
+    within a few steps that the text turned easy again (its probe costs part of one step),
+    instead of decoding without speculation for PROBE_EVERY steps; in a large batch the
+    probed rows feed the batch-wide history that every request's budget falls back on, and a
+    probe's catch-up (the drafter takes in the rows it missed) is a cost with no token in
+    return where speculation does not pay."""
+    return min(PROBE_EVERY, PROBE_EVERY_ALONE * max(num_reqs, 1))
 
 
 def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]

@@ -69,3 +69,23 @@ def test_scheduled_policies_keep_greedy_identity(prompts, reference, proposer: s
     assert records and all(sum(r.planned) <= r.budget for r in records)
     assert len({r.budget for r in records}) > 1  # the budget really adapts
     assert engine.stats.verified_tokens > 0 and engine.stats.predicted_accepted > 0
+
+
+@pytest.mark.parametrize("policy", ["equal", "confidence-sync", "confidence"])
+def test_dspark_under_scheduled_policies_keeps_greedy_identity(prompts, reference,
+                                                               policy: str) -> None:
+    # The profile says a drafting round costs 1 s, so the parallel drafter starts idle (K = 0:
+    # no round, target rows wait in the engine) and is only probed; the online fit then learns
+    # what a round really costs and speculation resumes, with the catch-up of every waiting row.
+    # Every one of those paths must leave the output token-identical to the target alone.
+    cost = CostModel("idle-drafter", verify=tuple(3e-3 + 1e-4 * b for b in range(1, 513)),
+                     draft=(3e-4,) * 64, draft_first=(1.0,) * 64)
+    engine = Engine(proposer="dspark", policy=policy, max_num_seqs=8, cost_model=cost)
+    outs = engine.generate(prompts[:24], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:24]
+    records = list(engine.stats.recent)
+    assert all(sum(r.planned) <= r.budget for r in records)
+    assert engine.stats.verified_tokens > 0 and engine.stats.accepted_tokens > 0
+    if policy != "confidence-sync":  # it drafts every step and decides on live confidences
+        assert any(r.budget == 0 for r in records[1:])  # idle steps ...
+        assert len({r.budget for r in records}) > 2  # ... and speculation in varied amounts

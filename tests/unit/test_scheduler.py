@@ -205,7 +205,8 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
 def test_probes_of_a_large_batch_take_a_few_requests_in_turn() -> None:
     from dspark.coordinator.scheduler import PROBE_EVERY, PROBE_REQUESTS
 
-    policy = make_policy("confidence", 3, CostModel.linear(1.0, 2.0), AcceptanceTracker(3),
+    # Verifying costs 5 s a token: even the probes' 0.9 confidences never make K > 0.
+    policy = make_policy("confidence", 3, CostModel.linear(1.0, 5.0), AcceptanceTracker(3),
                          a_priori=False)
     ids = tuple(f"r{i}" for i in range(3 * PROBE_REQUESTS))
     probed = []
