@@ -152,7 +152,9 @@ class Engine:
         proposer = proposer or DEFAULT_PROPOSER
         if proposer not in PROPOSERS:
             raise ValueError(f"proposer={proposer!r}: choose one of {list(PROPOSERS)}")
-        policy = policy or ("off" if proposer == "none" else "fixed")
+        # `confidence` by default: on the demo models it is within a few percent of the best
+        # fixed k where speculation pays and stops verifying where it does not (README).
+        policy = policy or ("off" if proposer == "none" else "confidence")
         k = DEFAULT_K.get(proposer, 4) if k is None else k
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")

@@ -134,7 +134,8 @@ class BudgetedPolicy(Policy):
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
-        # The step in flight, for its profiled time: its requests and drafted positions.
+        # The step in flight, for its profiled time: its requests and drafted positions (None:
+        # a step the fit leaves out).
         self._profiled_time: tuple[int, int] | None = None
 
     # --- cost --------------------------------------------------------------------------------
@@ -281,7 +282,13 @@ class BudgetedPolicy(Policy):
         assert self._planned is not None, "choose_budget first"
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
-        self._profiled_time = (len(planned), max(drafted, default=0))
+        # A round in which a request drafts for the first time in more than a step first takes
+        # in every row it missed (a whole prompt, or the steps it idled): not the round the
+        # profile timed. Such a step stays out of the fit, or probes would teach it that
+        # drafting is several times dearer than it is, and the budget would stay at 0.
+        steady = all(self._last_drafted.get(r) == self._steps - 1
+                     for r, n in zip(drafts.req_ids, drafted) if n)
+        self._profiled_time = (len(planned), max(drafted, default=0)) if steady else None
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps

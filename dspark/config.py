@@ -48,7 +48,7 @@ class ServeConfig:
     proposer: Proposer = _doc("dspark", "who drafts")
     drafter: str | None = _doc(None, "drafter checkpoint directory (default: the shipped demo one)")
     policy: PolicyName | None = _doc(
-        None, "verification policy (default: fixed; off for proposer none)"
+        None, "verification policy (default: confidence; off for proposer none)"
     )
     k: int | None = _doc(None, "most drafts per request per step (default: 7 dspark, else 4)")
     dtype: DType = _doc("float32", "weights and KV-cache dtype")

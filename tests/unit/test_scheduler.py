@@ -348,9 +348,9 @@ def test_step_time_fit_is_kept_per_kind_of_batch_and_follows_a_faster_machine() 
     ids = ("a", "b")
 
     def run(verify_scale: float, draft_scale: float, other: float, steps: int) -> None:
-        for _ in range(steps):
+        for _ in range(steps):  # confidences 0.9: K > 0, the drafter drafts every step
             lengths = policy.draft_lengths([3, 3], ids)
-            d = drafts_of([[0.3] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
+            d = drafts_of([[0.9] * 3] * 2, ids) if any(lengths) else skipped_drafts(ids)
             planned = policy.plan_verification(d, policy.choose_budget(d))
             verify = verify_scale * cost.verify_time(2 + sum(planned))
             drafting = draft_scale * cost.draft_time(2, max(lengths))
@@ -360,8 +360,7 @@ def test_step_time_fit_is_kept_per_kind_of_batch_and_follows_a_faster_machine() 
     assert policy.time_fit(2, sampled=False).per_request == pytest.approx(1.5)  # 3 s / 2
     assert policy.time_fit(3, sampled=False) == policy.time_fit(2, sampled=False)  # same bucket
     assert policy.time_fit(4, sampled=False) == Fit()
-    # The machine now verifies twice as fast as when profiled, and drafts at 0.8 of the
-    # profile (probes draft every PROBE_EVERY steps, so drafting is measured too).
+    # The machine now verifies twice as fast as when profiled, and drafts at 0.8 of the profile.
     run(0.5, 0.8, 0.02, 800)
     fit = policy.time_fit(2, sampled=False)
     assert fit.verify_scale == pytest.approx(0.5, rel=0.01)
@@ -405,3 +404,27 @@ def test_step_time_fit_reads_scales_and_other_work_apart_and_forgets() -> None:
     clock_skew.add(0.01, 0.0, 1, 0.009, 0.0095, 0.0)  # calls timed longer than the whole step
     assert clock_skew.fit.per_request == 0.0
     assert clock_skew.fit.draft_scale == 1.0  # nothing drafted yet: no evidence either way
+
+
+def test_rounds_that_catch_up_idle_steps_stay_out_of_the_step_time_fit() -> None:
+    # Regression: a probe's round first takes in every row its request missed while idle (over
+    # Ray, a whole prompt's hidden states), several times the profiled round; learned as
+    # "drafting is 4x dearer" it kept the budget at 0 for good.
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    catch_ups, drafted_before = 0, False
+    for _ in range(64):
+        lengths = policy.draft_lengths([3], ids)
+        d = drafts_of([[0.05] * 3], ids) if any(lengths) else skipped_drafts(ids)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        verify = cost.verify_time(1 + sum(planned))
+        # A round after an idle step catches up: 20x the profile; a steady one takes 0.5 s.
+        drafting = (0.5 if drafted_before else 10.0) if any(lengths) else 0.0
+        catch_ups += any(lengths) and not drafted_before
+        drafted_before = any(lengths)
+        policy.observe_time(verify + drafting, 1 + sum(planned), drafting, verify)
+    assert catch_ups >= 10  # probes happened (the lone request is probed often) ...
+    fit = policy.time_fit(1, sampled=False)
+    assert fit.draft_scale == pytest.approx(1.0)  # ... and none of them entered the fit
+    assert fit.per_request == pytest.approx(0.0)  # nor as unexplained time
