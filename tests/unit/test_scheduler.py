@@ -363,8 +363,9 @@ def test_step_time_fit_is_kept_per_kind_of_batch_and_follows_a_faster_machine() 
     # The machine now verifies twice as fast as when profiled, and drafts at 0.8 of the profile.
     run(0.5, 0.8, 0.02, 800)
     fit = policy.time_fit(2, sampled=False)
-    assert fit.verify_scale == pytest.approx(0.5, rel=0.01)
-    assert fit.draft_scale == pytest.approx(0.8, rel=0.01)
+    # (within the pull of PRIOR_STEPS pseudo-steps at 1 against ~50 weighted steps)
+    assert fit.verify_scale == pytest.approx(0.5, rel=0.1)
+    assert fit.draft_scale == pytest.approx(0.8, rel=0.1)
     assert fit.per_request == pytest.approx(0.01, rel=0.01)
 
 
@@ -393,13 +394,16 @@ def test_step_time_fit_reads_scales_and_other_work_apart_and_forgets() -> None:
         verify, drafting = 0.01 + 0.002 * r, 0.004 * r
         fit.add(verify, drafting, r, 0.6 * verify + 1.3 * drafting + 0.003 * r,
                 0.6 * verify, 1.3 * drafting)
-    assert fit.fit.verify_scale == pytest.approx(0.6)
-    assert fit.fit.draft_scale == pytest.approx(1.3)
+    assert fit.fit.verify_scale == pytest.approx(0.6, rel=0.1)
+    assert fit.fit.draft_scale == pytest.approx(1.3, rel=0.1)
     assert fit.fit.per_request == pytest.approx(0.003)
     for _ in range(400):  # verify slows to 1.5x the profile: the old speed is forgotten
         fit.add(0.01, 0.0, 1, 0.015 + 0.003, 0.015, 0.0)
-    assert fit.fit.verify_scale == pytest.approx(1.5, rel=0.01)
-    assert fit.fit.apply(0.01, 0.0, 1) == pytest.approx(0.018, rel=0.01)
+    assert fit.fit.verify_scale == pytest.approx(1.5, rel=0.1)
+    assert fit.fit.apply(0.01, 0.0, 1) == pytest.approx(0.018, rel=0.1)
+    for _ in range(400):  # nothing drafted for a long time: the draft scale returns to 1
+        fit.add(0.01, 0.0, 1, 0.018, 0.015, 0.0)
+    assert fit.fit.draft_scale == pytest.approx(1.0, abs=0.01)
     clock_skew = StepTimeFit()
     clock_skew.add(0.01, 0.0, 1, 0.009, 0.0095, 0.0)  # calls timed longer than the whole step
     assert clock_skew.fit.per_request == 0.0
@@ -428,3 +432,11 @@ def test_rounds_that_catch_up_idle_steps_stay_out_of_the_step_time_fit() -> None
     fit = policy.time_fit(1, sampled=False)
     assert fit.draft_scale == pytest.approx(1.0)  # ... and none of them entered the fit
     assert fit.per_request == pytest.approx(0.0)  # nor as unexplained time
+
+
+def test_one_outlier_cannot_set_a_scale() -> None:
+    # Regression: a remote draft actor's first real round took seconds (78x its profile); as
+    # the only drafting step measured it set the draft scale, and K stayed 0 for good.
+    fit = StepTimeFit()
+    fit.add(0.01, 0.03, 4, 0.01 + 78 * 0.03, 0.01, 78 * 0.03)
+    assert fit.fit.draft_scale <= 1 + (4.0 - 1) / 5  # capped at 4x, against 4 pseudo-steps at 1
