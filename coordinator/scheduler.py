@@ -148,8 +148,8 @@ class BudgetedPolicy(Policy):
         return self.time_fit(num_reqs).apply(verify, drafting, num_reqs)
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
-        """How measured steps relate to the profile (`StepTimeFit`: a scale and seconds per
-        request), for batches that sample or not (default: this step's) and batch sizes in
+        """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
+        drafting parts, and seconds per request), for batches that sample or not (default: this step's) and batch sizes in
         powers of two (1, 2–3, 4–7, ...): what is learned at one size is not scaled to another.
         The identity until steps of that kind were measured."""
         sampled = self._sampled if sampled is None else sampled
