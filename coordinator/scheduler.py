@@ -134,9 +134,9 @@ class BudgetedPolicy(Policy):
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
-        # The step in flight, for its profiled time: its requests and drafted positions (None:
-        # a step the fit leaves out).
-        self._profiled_time: tuple[int, int] | None = None
+        # The step in flight, for its profiled time: its requests, drafted positions and
+        # whether its round was steady (no catch-up of idle steps).
+        self._profiled_time: tuple[int, int, bool] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -169,9 +169,12 @@ class BudgetedPolicy(Policy):
         budget swung)."""
         if self._profiled_time is None:
             return
-        num_reqs, depth = self._profiled_time
+        num_reqs, depth, steady = self._profiled_time
         verify = self.cost.verify_time(num_tokens, self._sampled)
         drafting = self.cost.draft_time(num_reqs, depth, self._sampled)
+        if not steady and draft_seconds > drafting:  # a catch-up: a bound, not a measurement
+            seconds -= draft_seconds - drafting
+            draft_seconds = drafting
         key = (self._sampled, num_reqs.bit_length())
         self._fits.setdefault(key, StepTimeFit()).add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds)
@@ -284,11 +287,13 @@ class BudgetedPolicy(Policy):
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
         # A round in which a request drafts for the first time in more than a step first takes
         # in every row it missed (a whole prompt, or the steps it idled): not the round the
-        # profile timed. Such a step stays out of the fit, or probes would teach it that
-        # drafting is several times dearer than it is, and the budget would stay at 0.
+        # profile timed, only an upper bound on it. `observe_time` counts such a round's time
+        # only up to its profile, or probes would teach the fit that drafting is several times
+        # dearer than it is, and the budget would stay at 0; below its profile it is evidence
+        # that rounds are cheaper, which an idle drafter has no other way to learn.
         steady = all(self._last_drafted.get(r) == self._steps - 1
                      for r, n in zip(drafts.req_ids, drafted) if n)
-        self._profiled_time = (len(planned), max(drafted, default=0)) if steady else None
+        self._profiled_time = (len(planned), max(drafted, default=0), steady)
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps

@@ -14,11 +14,10 @@ times each part of a step, so each is read off directly (no regression to split 
   cost of every step, so it makes speculation (fewer, longer steps) worth more.
 
 Sums are exponentially weighted (FORGET^age), so the fit follows a machine whose speed drifts.
-Each scale also holds PRIOR_STEPS pseudo-steps at 1 that never decay, and one step counts for
-at most MAX_RATIO times its profile: a single outlier (an actor's first call, a collector
-pause) cannot set the scale by itself, and where a part has not been measured lately (an idle
-drafter) its scale returns to the profile's instead of keeping a stale extreme that would
-keep it idle.
+One step counts for at most MAX_RATIO times its profile: a single outlier (an actor's first
+call, a collector pause) cannot set a scale beyond that. No prior pulls a scale toward 1: a
+profile that is far off (a drafting round profiled at 100x its live cost) must be left behind
+within a few steps, or the budget never speculates and never learns otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FORGET = 0.98  # weight kept by each older step: the fit follows ~50 recent steps
-PRIOR_STEPS = 4.0  # pseudo-steps at scale 1, each the size of the latest profiled part
 MAX_RATIO = 4.0  # a step's measured part counts for at most this many times its profile
 
 
@@ -47,7 +45,6 @@ class StepTimeFit:
     def __init__(self) -> None:
         # [profiled verify, measured verify, profiled drafting, measured drafting, other, R]
         self._sums = [0.0] * 6
-        self._typical = [0.0, 0.0]  # the latest nonzero profiled verify and drafting parts
         self.fit = Fit()
 
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
@@ -58,16 +55,7 @@ class StepTimeFit:
         new = (verify, min(verify_seconds, MAX_RATIO * verify),
                drafting, min(draft_seconds, MAX_RATIO * drafting), other, float(num_reqs))
         self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
-        for i, part in enumerate((verify, drafting)):
-            if part > 0:
-                self._typical[i] = part
         pv, mv, pd, md, other_sum, reqs = self._sums
-        self.fit = Fit(_ratio(mv, pv, self._typical[0]), _ratio(md, pd, self._typical[1]),
+        self.fit = Fit(mv / pv if pv > 0 else 1.0, md / pd if pd > 0 else 1.0,
                        other_sum / reqs if reqs > 0 else 0.0)
         return self.fit
-
-
-def _ratio(measured: float, profiled: float, typical: float) -> float:
-    """measured / profiled with PRIOR_STEPS pseudo-steps of `typical` at ratio 1."""
-    prior = PRIOR_STEPS * typical
-    return (measured + prior) / (profiled + prior) if profiled + prior > 0 else 1.0
