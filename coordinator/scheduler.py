@@ -143,9 +143,13 @@ class BudgetedPolicy(Policy):
         """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
-        verify = self.cost.verify_time(num_reqs + sum(counts), self._sampled)
-        drafting = self.cost.draft_time(num_reqs, depth, self._sampled)
+        verify, drafting = self._profiled_parts(num_reqs + sum(counts), num_reqs, depth)
         return self.time_fit(num_reqs).apply(verify, drafting, num_reqs)
+
+    def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int) -> tuple[float, float]:
+        """(verify, drafting) seconds the profile gives a step of this batch's kind."""
+        return (self.cost.verify_time(num_tokens, self._sampled),
+                self.cost.draft_time(num_reqs, depth, self._sampled))
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
@@ -170,8 +174,7 @@ class BudgetedPolicy(Policy):
         if self._profiled_time is None:
             return
         num_reqs, depth, steady = self._profiled_time
-        verify = self.cost.verify_time(num_tokens, self._sampled)
-        drafting = self.cost.draft_time(num_reqs, depth, self._sampled)
+        verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
         if not steady and draft_seconds > drafting:  # a catch-up: a bound, not a measurement
             seconds -= draft_seconds - drafting
             draft_seconds = drafting
@@ -195,9 +198,8 @@ class BudgetedPolicy(Policy):
         tokens = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), a.cumsum(0)])
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
-        fit = self.time_fit(num_reqs)
         verify, drafting = self.cost.step_parts(num_reqs + ks, num_reqs, depths, self._sampled)
-        times = fit.verify_scale * verify + fit.draft_scale * drafting + num_reqs * fit.per_request
+        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs)  # [num_slots + 1]
         best = int(torch.argmax(tokens / times))
         return best, int(depths[best])
 
@@ -261,7 +263,8 @@ class BudgetedPolicy(Policy):
         # history (and so the budget) following the drafter.
         if self._steps % probe_interval(len(limits)):
             return [0] * len(limits)
-        return [n if i in self._probed(req_ids) else 0 for i, n in enumerate(limits)]
+        probed = self._probed(req_ids)
+        return [n if i in probed else 0 for i, n in enumerate(limits)]
 
     def _probed(self, req_ids: tuple[str, ...]) -> set[int]:
         """The PROBE_REQUESTS rows a probe drafts: those drafted most recently (their drafter

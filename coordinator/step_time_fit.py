@@ -23,6 +23,7 @@ within a few steps, or the budget never speculates and never learns otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 FORGET = 0.98  # weight kept by each older step: the fit follows ~50 recent steps
 MAX_RATIO = 4.0  # a step's measured part counts for at most this many times its profile
@@ -34,8 +35,9 @@ class Fit:
     draft_scale: float = 1.0
     per_request: float = 0.0  # seconds per request per step
 
-    def apply(self, verify: float, drafting: float, num_reqs: int) -> float:
-        """Estimated seconds of a step whose profiled parts are `verify` and `drafting`."""
+    def apply(self, verify: Any, drafting: Any, num_reqs: int) -> Any:
+        """Estimated seconds of a step whose profiled parts are `verify` and `drafting` (floats,
+        or tensors of many candidate steps)."""
         return self.verify_scale * verify + self.draft_scale * drafting + num_reqs * self.per_request
 
 
