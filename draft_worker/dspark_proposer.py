@@ -97,11 +97,14 @@ class DSparkProposer:
         if rows:
             req_ids = [queries[i].req_id for i in rows]
             tokens, q_probs, c = self._draft(req_ids, [counts[i] for i in rows], greedy)
-            index = torch.tensor(rows)
-            ids[index] = tokens
-            conf[index] = c.to(torch.float64)
-            if probs is not None:
-                probs[index] = q_probs
+            if len(rows) == n:  # every request drafts (the common case): no scatter
+                ids, conf, probs = tokens, c.to(torch.float64), q_probs
+            else:
+                index = torch.tensor(rows)
+                ids[index] = tokens
+                conf[index] = c.to(torch.float64)
+                if probs is not None:
+                    probs[index] = q_probs
         return Drafts(
             req_ids=tuple(q.req_id for q in queries),
             token_ids=ids,
@@ -175,10 +178,11 @@ class DSparkProposer:
             ctx_kv,
             mask[:, None].to(self.device),
         )  # [R, γ, d]
-        tokens, probs = self._sample_markov(
-            req_ids, counts, self.model.base_logits(h), anchors, greedy
-        )
         width = max(counts)
+        # U_k for the positions drafted only: the LM head is the round's largest matmul.
+        tokens, probs = self._sample_markov(
+            req_ids, counts, self.model.base_logits(h[:, :width]), anchors, greedy
+        )
         prev = torch.cat([anchors[:, None], tokens[:, : width - 1]], dim=1).clamp(min=0)
         z = self.model.confidence_logits(h[:, :width], prev.to(self.device))
         conf = torch.zeros(num, width) if z is None else self.model.calibrated(z).cpu()
@@ -189,42 +193,46 @@ class DSparkProposer:
         self,
         req_ids: list[str],
         counts: list[int],
-        base: torch.Tensor,
-        anchors: torch.Tensor,
+        base: torch.Tensor,  # [R, width, vocab] U_k
+        anchors: torch.Tensor,  # [R]
         greedy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Left to right: logits_k = U_k + W2(W1[x_{k−1}]), x_0 the anchor; keep each q_k."""
         num, width = len(req_ids), max(counts)
         tokens = torch.full((num, width), -1, dtype=torch.long)
         probs = None if greedy else torch.zeros(num, width, self.vocab_size, dtype=torch.float64)
+        # Each request's uniforms in one draw from its own generator: the same numbers, in the
+        # same order, as one draw per position.
+        u = None if greedy else self._uniforms(req_ids, counts, width)  # [R, width]
+        warp = None if greedy else self._warp_params(req_ids)
+        live = torch.tensor(counts)
         prev = anchors.clone()
         for j in range(width):
-            rows = torch.tensor([i for i, c in enumerate(counts) if c > j])
-            logits = base[rows.to(self.device), j] + self.model.markov_bias(
-                prev[rows].to(self.device)
-            )
-            if probs is None:
+            # Rows still drafting at position j; all of them (a slice, no gather) when every
+            # count reaches j.
+            rows = slice(None) if min(counts) > j else torch.nonzero(live > j).flatten()
+            logits = base[rows, j] + self.model.markov_bias(prev[rows].to(self.device))
+            if greedy:
                 step = logits.argmax(dim=-1).cpu()
             else:
-                q = self._warp([req_ids[i] for i in rows.tolist()], logits.float().cpu())
-                u = torch.stack(
-                    [
-                        torch.rand(
-                            (), dtype=torch.float64, generator=self._states[req_ids[i]].generator
-                        )
-                        for i in rows.tolist()
-                    ]
-                )
-                step = sample_from_probs(q, u)
+                assert probs is not None and u is not None and warp is not None
+                q = warp_probs(logits.float().cpu(), *(t[rows] for t in warp))
+                step = sample_from_probs(q, u[rows, j])
                 probs[rows, j] = q
             tokens[rows, j] = step
             prev[rows] = step
         return tokens, probs
 
-    def _warp(self, req_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
+    def _uniforms(self, req_ids: list[str], counts: list[int], width: int) -> torch.Tensor:
+        u = torch.zeros(len(req_ids), width, dtype=torch.float64)  # [R, width]
+        for i, (r, c) in enumerate(zip(req_ids, counts)):
+            u[i, :c] = torch.rand(c, dtype=torch.float64, generator=self._states[r].generator)
+        return u
+
+    def _warp_params(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p) per request, as `warp_probs` takes them: each [R]."""
         params = [self._states[r].params for r in req_ids]
-        return warp_probs(
-            logits,
+        return (
             torch.tensor([p.temperature for p in params], dtype=torch.float64),
             torch.tensor([p.top_k for p in params], dtype=torch.long),
             torch.tensor([p.top_p for p in params], dtype=torch.float64),
