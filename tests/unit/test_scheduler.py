@@ -189,7 +189,7 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a", "b")
     asked = []
-    for _ in range(2 * every):
+    for _ in range(7 * every):
         lengths = policy.draft_lengths([3, 3], ids)
         asked.append(lengths)
         # The probes find a drafter not worth its round (c = 0.1): K stays 0 throughout.
@@ -198,7 +198,9 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
         assert k == 0 and policy.plan_verification(d, k) == [0, 0]
         policy.observe(step_of(ids, [0, 0], [0, 0]))
     probes = [i + 1 for i, lengths in enumerate(asked) if any(lengths)]
-    assert probes == [every, 2 * every]
+    # Each probe that finds speculation still not worth it doubles the gap to the next.
+    assert probes == [every, 3 * every, 7 * every]
+    assert probe_interval(2, idle_probes=2) == 4 * every
     assert all(lengths == [3, 3] for lengths in asked if any(lengths))  # 2 <= PROBE_REQUESTS
 
 
@@ -210,7 +212,7 @@ def test_probes_of_a_large_batch_take_a_few_requests_in_turn() -> None:
                          a_priori=False)
     ids = tuple(f"r{i}" for i in range(3 * PROBE_REQUESTS))
     probed = []
-    for _ in range(3 * PROBE_EVERY):
+    for _ in range(7 * PROBE_EVERY):  # probes at 16, 48 and 112 (the gap doubles)
         lengths = policy.draft_lengths([3] * len(ids), ids)
         d = drafts_of([[0.9] * 3] * len(ids), ids) if any(lengths) else skipped_drafts(ids)
         d = Drafts(ids, d.token_ids, torch.tensor(lengths), None, d.confidences)
@@ -224,12 +226,15 @@ def test_probes_of_a_large_batch_take_a_few_requests_in_turn() -> None:
     policy.observe(step_of([ids[i] for i in probed[0]], [0] * PROBE_REQUESTS,
                            [0] * PROBE_REQUESTS, finished=True))
     rest = tuple(r for i, r in enumerate(ids) if i not in probed[0])
-    for _ in range(PROBE_EVERY):  # those finished: the next probe takes others
+    later = []
+    for _ in range(8 * PROBE_EVERY):  # those finished: the next probe takes others
         lengths = policy.draft_lengths([3] * len(rest), rest)
         d = drafts_of([[0.9] * 3] * len(rest), rest) if any(lengths) else skipped_drafts(rest)
         d = Drafts(rest, d.token_ids, torch.tensor(lengths), None, d.confidences)
         policy.plan_verification(d, policy.choose_budget(d))
-    assert sum(1 for n in lengths if n) == PROBE_REQUESTS
+        if any(lengths):
+            later.append(lengths)
+    assert later and sum(1 for n in later[0] if n) == PROBE_REQUESTS
 
 
 def test_rows_without_drafts_leave_the_history_alone() -> None:
@@ -273,20 +278,27 @@ def test_a_lone_request_idled_by_bad_blocks_speculates_again_after_a_good_probe(
     cost = CostModel.linear(1.0, 0.3)
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a",)
+    # The prior rates speculate at steps 1 and 2, until step 1's hard row is two steps old; the
+    # first probe comes `every` steps after that round, and finding the text still hard it
+    # doubles the gap to the second.
+    first = 2 + every
+    second = first + 2 * every
     budgets, probes = [], []
-    for step in range(1, 2 * every + 4):
+    for step in range(1, second + 4):
         lengths = policy.draft_lengths([3], ids)
-        good = step >= 2 * every  # the text turns easy at the second probe
-        if any(lengths) and not good:
+        good = step >= second  # the text turns easy at the second probe
+        if any(lengths):
             probes.append(step)
         d = drafts_of([[0.95 if good else 0.02] * 3], ids) if any(lengths) else skipped_drafts(ids)
         k = policy.choose_budget(d)
         budgets.append(k)
         policy.plan_verification(d, k)
         policy.observe(step_of(ids, [k], [0]))
-    assert every in probes  # the first probe found the text still hard ...
-    assert budgets[2 * every - 2] == 0  # ... so the request stayed idle until the second
-    assert budgets[2 * every + 1] > 0  # two steps after the good probe (steps are 1-based)
+    assert probes[:4] == [1, 2, first, second]  # the first probe found the text still hard ...
+    assert budgets[second - 2] == 0  # ... so the request stayed idle until then
+    assert budgets[second + 1] > 0  # two steps after the good probe (steps are 1-based)
+    # Speculating again resets the backoff: the next idle stretch is probed after `every`.
+    assert policy._idle_probes == 0
 
 
 def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
@@ -414,7 +426,7 @@ def test_rounds_that_catch_up_idle_steps_stay_out_of_the_step_time_fit() -> None
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a",)
     catch_ups, drafted_before = 0, False
-    for _ in range(64):
+    for _ in range(128):
         lengths = policy.draft_lengths([3], ids)
         d = drafts_of([[0.05] * 3], ids) if any(lengths) else skipped_drafts(ids)
         planned = policy.plan_verification(d, policy.choose_budget(d))
@@ -424,7 +436,7 @@ def test_rounds_that_catch_up_idle_steps_stay_out_of_the_step_time_fit() -> None
         catch_ups += any(lengths) and not drafted_before
         drafted_before = any(lengths)
         policy.observe_time(verify + drafting, 1 + sum(planned), drafting, verify)
-    assert catch_ups >= 10  # probes happened (the lone request is probed often) ...
+    assert catch_ups >= 5  # probes happened (at 4, 12, 28, 60 and 124: the gap doubles) ...
     fit = policy.time_fit(1, sampled=False)
     assert fit.draft_scale == pytest.approx(1.0)  # ... and none of them entered the fit
     assert fit.per_request == pytest.approx(0.0)  # nor as unexplained time
