@@ -363,7 +363,9 @@ class Engine:
         reqs = list(self._running.values())
         req_ids = tuple(r.req_id for r in reqs)
         sampled = any(r.params.temperature > 0 for r in reqs)
-        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled)
+        backlog = [r.num_tokens - self._sent_to_drafter[r.req_id] for r in reqs]
+        lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled,
+                                            backlog)
         queries = []
         for r, n in zip(reqs, lengths):
             if n == 0:

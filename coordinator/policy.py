@@ -1,9 +1,11 @@
 """Verification policies: how many drafts each request gets verified in a step (DESIGN.md §2-3).
 
 One interface for every policy:
-- `draft_lengths(caps, req_ids, sampled)`: how many drafts to ask the proposer for, per request
-  (never above its cap, which comes from max_tokens and the context length); `sampled` says
-  whether any request samples (temperature > 0), which makes drafting dearer;
+- `draft_lengths(caps, req_ids, sampled, backlog)`: how many drafts to ask the proposer for, per
+  request (never above its cap, which comes from max_tokens and the context length); `sampled`
+  says whether any request samples (temperature > 0), which makes drafting dearer; `backlog`
+  counts each request's committed tokens the drafter has not taken in yet (a round first
+  catches up on them);
 - `choose_budget(drafts)`: K, the total draft positions to verify this step;
 - `plan_verification(drafts, K)`: ℓ_r per request, Σ ℓ_r <= K, a prefix of each request's drafts;
 - `observe(step)`: feedback after commit (acceptance history for adaptive policies);
@@ -26,7 +28,8 @@ class Policy(ABC):
 
     @abstractmethod
     def draft_lengths(
-        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+        backlog: list[int] | None = None,
     ) -> list[int]: ...
 
     @abstractmethod
@@ -52,7 +55,8 @@ class OffPolicy(Policy):
     name = "off"
 
     def draft_lengths(
-        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+        backlog: list[int] | None = None,
     ) -> list[int]:
         return [0] * len(caps)
 
@@ -74,7 +78,8 @@ class FixedPolicy(Policy):
         self.k = k
 
     def draft_lengths(
-        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+        backlog: list[int] | None = None,
     ) -> list[int]:
         return [min(self.k, c) for c in caps]
 

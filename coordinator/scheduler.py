@@ -31,7 +31,7 @@ import torch
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
-from dspark.coordinator.step_time_fit import Fit, StepTimeFit
+from dspark.coordinator.step_time_fit import CatchUpFit, Fit, StepTimeFit
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
@@ -142,9 +142,12 @@ class BudgetedPolicy(Policy):
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
-        # The step in flight, for its profiled time: its requests, drafted positions and
-        # whether its round was steady (no catch-up of idle steps).
-        self._profiled_time: tuple[int, int, bool] | None = None
+        self._catch_up = CatchUpFit()  # seconds per row a round takes in beyond a steady one's
+        # This step's rows to catch up on, per request that did not draft in the previous step.
+        self._backlog: dict[str, int] = {}
+        # The step in flight, for its profiled time: its requests, drafted positions, whether
+        # its round was steady (no catch-up of idle steps) and the rows it caught up on.
+        self._profiled_time: tuple[int, int, bool, int] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -181,8 +184,10 @@ class BudgetedPolicy(Policy):
         budget swung)."""
         if self._profiled_time is None:
             return
-        num_reqs, depth, steady = self._profiled_time
+        num_reqs, depth, steady, rows = self._profiled_time
         verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
+        steady_round = self.time_fit(num_reqs).draft_scale * drafting
+        self._catch_up.add(draft_seconds - steady_round, rows, steady_round)
         if not steady and draft_seconds > drafting:  # a catch-up: a bound, not a measurement
             seconds -= draft_seconds - drafting
             draft_seconds = drafting
@@ -191,16 +196,19 @@ class BudgetedPolicy(Policy):
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds)
         self._profiled_time = None
 
-    def best_budget(self, survivals: torch.Tensor, limits: list[int]) -> int:
+    def best_budget(self, survivals: torch.Tensor, limits: list[int],
+                    catch_up: float = 0.0) -> int:
         """K maximising (R + Σ top-K a) / step_time, a global argmax over K (the smallest K on
         ties). Vectorised over K: it runs every step over up to R·γ slots."""
-        return self.best_plan(survivals, limits)[0]
+        return self.best_plan(survivals, limits, catch_up)[0]
 
-    def best_plan(self, survivals: torch.Tensor, limits: list[int]) -> tuple[int, int]:
+    def best_plan(self, survivals: torch.Tensor, limits: list[int],
+                  catch_up: float = 0.0) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
         how many positions the round must draft. A request's j-th slot always follows its
         (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
-        positions costs draft_first + (depth − 1)·draft, and K = 0 skips the round."""
+        positions costs draft_first + (depth − 1)·draft, plus `catch_up` seconds (the rows the
+        drafter must take in first), and K = 0 skips the round."""
         num_reqs = len(limits)
         a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), a.cumsum(0)])
@@ -208,6 +216,7 @@ class BudgetedPolicy(Policy):
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         verify, drafting = self.cost.step_parts(num_reqs + ks, num_reqs, depths, self._sampled)
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs)  # [num_slots + 1]
+        times[1:] += catch_up
         best = int(torch.argmax(tokens / times))
         return best, int(depths[best])
 
@@ -248,12 +257,17 @@ class BudgetedPolicy(Policy):
 
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
-        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+        backlog: list[int] | None = None,
     ) -> list[int]:
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
         self._sampled = sampled
         self._steps += 1
+        # A request that drafted in the previous step has a steady round's backlog (the
+        # profile's); any other first takes in all it missed.
+        self._backlog = {r: b for r, b in zip(req_ids, backlog or [0] * len(req_ids))
+                         if self._last_drafted.get(r) != self._steps - 1}
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
@@ -307,7 +321,8 @@ class BudgetedPolicy(Policy):
         # that rounds are cheaper, which an idle drafter has no other way to learn.
         steady = all(self._last_drafted.get(r) == self._steps - 1
                      for r, n in zip(drafts.req_ids, drafted) if n)
-        self._profiled_time = (len(planned), max(drafted, default=0), steady)
+        rows = sum(self._backlog.get(r, 0) for r, n in zip(drafts.req_ids, drafted) if n)
+        self._profiled_time = (len(planned), max(drafted, default=0), steady, rows)
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
@@ -324,8 +339,16 @@ class BudgetedPolicy(Policy):
     # --- what differs between policies -----------------------------------------------------------
     def budget_before_drafting(self, req_ids: tuple[str, ...], limits: list[int]
                                ) -> tuple[int, int]:
-        """(K, depth to draft) before the drafts exist: from stale survivals only."""
-        return self.best_plan(self.stale_survivals(req_ids), limits)
+        """(K, depth to draft) before the drafts exist: from stale survivals only. A round
+        that drafts for requests which did not draft in the previous step first catches up on
+        their backlog: a cost of resuming (or starting) speculation, which a marginal gain does
+        not repay."""
+        return self.best_plan(self.stale_survivals(req_ids), limits,
+                              self._catch_up_seconds(req_ids, limits))
+
+    def _catch_up_seconds(self, req_ids: tuple[str, ...], limits: list[int]) -> float:
+        rows = sum(self._backlog.get(r, 0) for r, n in zip(req_ids, limits) if n > 0)
+        return self._catch_up.per_row * rows
 
     def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],
                   budget: int | None = None) -> tuple[int, list[int]]:
@@ -339,7 +362,8 @@ class ConfidencePolicy(BudgetedPolicy):
     name = "confidence"
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
+        k = self.best_budget(self.stale_survivals(req_ids), limits,
+                             self._catch_up_seconds(req_ids, limits)) if budget is None else budget
         counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
         return k, counts.tolist()
 
@@ -378,7 +402,8 @@ class EqualPolicy(BudgetedPolicy):
     name = "equal"
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        k = self.best_budget(self.stale_survivals(req_ids), limits) if budget is None else budget
+        k = self.best_budget(self.stale_survivals(req_ids), limits,
+                             self._catch_up_seconds(req_ids, limits)) if budget is None else budget
         counts = [0] * len(limits)
         left = min(k, sum(limits))
         while left > 0:

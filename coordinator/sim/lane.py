@@ -41,8 +41,8 @@ class OraclePolicy(ConfidencePolicy):
 
     name = "oracle"
 
-    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...],
-                      sampled: bool = False) -> list[int]:
+    def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+                      backlog: list[int] | None = None) -> list[int]:
         self._planned = None
         return [min(self.gamma, c) for c in caps]
 
