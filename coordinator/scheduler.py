@@ -143,8 +143,10 @@ class BudgetedPolicy(Policy):
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
         self._catch_up = CatchUpFit()  # seconds per row a round takes in beyond a steady one's
-        # This step's rows to catch up on, per request that did not draft in the previous step.
+        # This step's rows to catch up on, per request that did not draft in the previous step,
+        # and every request's cap (the tokens it may still generate).
         self._backlog: dict[str, int] = {}
+        self._caps: dict[str, int] = {}
         # The step in flight, for its profiled time: its requests, drafted positions, whether
         # its round was steady (no catch-up of idle steps) and the rows it caught up on.
         self._profiled_time: tuple[int, int, bool, int] | None = None
@@ -268,6 +270,7 @@ class BudgetedPolicy(Policy):
         # profile's); any other first takes in all it missed.
         self._backlog = {r: b for r, b in zip(req_ids, backlog or [0] * len(req_ids))
                          if self._last_drafted.get(r) != self._steps - 1}
+        self._caps = dict(zip(req_ids, caps))
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
@@ -343,11 +346,23 @@ class BudgetedPolicy(Policy):
         that drafts for requests which did not draft in the previous step first catches up on
         their backlog: a cost of resuming (or starting) speculation, which a marginal gain does
         not repay."""
-        return self.best_plan(self.stale_survivals(req_ids), limits,
-                              self._catch_up_seconds(req_ids, limits))
+        stale = self.stale_survivals(req_ids)
+        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, stale))
 
-    def _catch_up_seconds(self, req_ids: tuple[str, ...], limits: list[int]) -> float:
-        rows = sum(self._backlog.get(r, 0) for r, n in zip(req_ids, limits) if n > 0)
+    def _catch_up_seconds(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> float:
+        """What catching up adds to a drafting round's time, each request's share spread over
+        the steps it has left to speculate (its cap over 1 + Σ a tokens a step): the rows are
+        taken in once and serve the rest of the generation, so a long one barely notices its
+        prompt while a request a few tokens from its end does not start a round for them.
+        survivals: [num_reqs, γ] the stale survivals the budget reads."""
+        if not self._backlog or self._catch_up.per_row == 0:
+            return 0.0
+        rows = 0.0
+        tokens = (1 + survivals.sum(dim=1)).tolist()  # [num_reqs] expected tokens a step
+        for r, per_step in zip(req_ids, tokens):
+            backlog, cap = self._backlog.get(r, 0), self._caps.get(r, 0)
+            if backlog and cap > 0:
+                rows += backlog / max(1.0, cap / per_step)
         return self._catch_up.per_row * rows
 
     def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],
@@ -362,8 +377,7 @@ class ConfidencePolicy(BudgetedPolicy):
     name = "confidence"
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        k = self.best_budget(self.stale_survivals(req_ids), limits,
-                             self._catch_up_seconds(req_ids, limits)) if budget is None else budget
+        k = self.budget_before_drafting(req_ids, limits)[0] if budget is None else budget
         counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
         return k, counts.tolist()
 
@@ -402,8 +416,7 @@ class EqualPolicy(BudgetedPolicy):
     name = "equal"
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        k = self.best_budget(self.stale_survivals(req_ids), limits,
-                             self._catch_up_seconds(req_ids, limits)) if budget is None else budget
+        k = self.budget_before_drafting(req_ids, limits)[0] if budget is None else budget
         counts = [0] * len(limits)
         left = min(k, sum(limits))
         while left > 0:
