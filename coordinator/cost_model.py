@@ -45,6 +45,9 @@ class CostModel:
     draft_first_sampled: tuple[float, ...] = ()  # [n_max] `draft_first` at temperature 1
     # [B_max] `verify` when the batch samples: p is warped and each draft's q(x) read
     verify_sampled: tuple[float, ...] = ()
+    # Seconds per committed row a drafting round takes in beyond a steady round's: what a
+    # request that did not draft in the previous step (new, idle, probed) first catches up on.
+    catch_up: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.verify:
@@ -63,6 +66,10 @@ class CostModel:
             return 0.0, 0.0
         each = _lookup(per, num_reqs)
         return (_lookup(first, num_reqs) if first else each), each
+
+    def catch_up_time(self, rows: float) -> float:
+        """Seconds a drafting round spends taking in `rows` committed rows it missed."""
+        return self.catch_up * rows
 
     def draft_time(self, num_reqs: int, positions: int, sampled: bool = False) -> float:
         """Time of a drafting round of `positions` sequential positions over `num_reqs`."""
@@ -109,7 +116,7 @@ class CostModel:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        raw = {"key": self.key, "meta": self.meta}
+        raw: dict[str, object] = {"key": self.key, "meta": self.meta, "catch_up": self.catch_up}
         raw.update({name: list(getattr(self, name)) for name in _TABLES})
         path.write_text(json.dumps(raw, indent=1) + "\n")
         return path
@@ -118,7 +125,8 @@ class CostModel:
     def load(cls, path: str | Path) -> CostModel:
         raw = json.loads(Path(path).read_text())
         tables = {name: tuple(raw.get(name, ())) for name in _TABLES}
-        return cls(raw["key"], meta=raw.get("meta", {}), **tables)
+        return cls(raw["key"], meta=raw.get("meta", {}), catch_up=float(raw.get("catch_up", 0.0)),
+                   **tables)
 
     @classmethod
     def linear(cls, fixed: float, per_token: float, b_max: int = 512, draft_fixed: float = 0.0,

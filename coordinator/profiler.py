@@ -9,6 +9,8 @@ a cheaper approximation for tools that have models but no workers.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v6"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v7"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -96,7 +98,8 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
     with 1 and S positions, draft_first = t(1) and draft = (t(S) - t(1)) / (S - 1), where S is
     DRAFT_SPAN for a proposer that drafts one position per forward (`sequential_drafts`) and
     `block` for a parallel drafter (DSpark's one block pass: a further position still costs its
-    Markov-head step and its q row, much less than a forward).
+    Markov-head step and its q row, much less than a forward). catch_up: seconds per row of a
+    lone request's first round over a whole `context`-token prompt, beyond a steady round's.
     Verify and draft sizes are timed on grids (`verify_grid`, `draft_grid`) in interleaved rounds
     (`interleaved_medians`) and interpolated; every table is made monotone.
     """
@@ -108,15 +111,17 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
 
     verify = _profile_verify(target, prompt, b_max, context, repeats)
     tables = {"verify_sampled": _profile_verify(target, prompt, b_max, context, repeats, True)}
+    catch_up = 0.0
     if proposer is not None:
         width = target.config.hidden_size * len(getattr(proposer, "hidden_layers", ()))
         for sampled in (False, True):
             first, each = _profile_rounds(proposer, prompt, n_max, repeats, sampled, width, block)
             suffix = "_sampled" if sampled else ""
             tables["draft_first" + suffix], tables["draft" + suffix] = first, each
+        catch_up = _profile_catch_up(proposer, prompt, repeats, width, tables["draft_first"][0])
     meta = {"hardware": hardware_key(), "context": str(context), "repeats": str(repeats),
             "torch": torch.__version__, "method": PROFILE_VERSION}
-    return CostModel(key or hardware_key(), verify, meta=meta, **tables)
+    return CostModel(key or hardware_key(), verify, meta=meta, catch_up=catch_up, **tables)
 
 
 def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats: int,
@@ -211,6 +216,29 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
         for r in ids:
             proposer.release(r)
     return monotone(_interpolate(grid, first)), monotone(_interpolate(grid, each))
+
+
+def _profile_catch_up(proposer: Any, prompt: Any, repeats: int, hidden_width: int,
+                      steady_round: float) -> float:
+    """Seconds per committed row a round takes in beyond a steady round's (CATCH_UP rows,
+    `steady_round` seconds): the median over `repeats` fresh requests (after one warm-up) of
+    the first round, which takes in the whole prompt, less the steady round, per extra row."""
+    rows = _hidden_rows(hidden_width)
+    prompts = [prompt() for _ in range(repeats + 1)]
+    ids = [f"__profile-catch-up-{i}" for i in range(len(prompts))]
+    times = []
+    try:
+        for i, (r, p) in enumerate(zip(ids, prompts)):
+            proposer.add_request(NewRequest(r, (), SamplingParams(temperature=0.0), seed=i))
+            start = time.perf_counter()
+            proposer.propose([DraftQuery(r, p, 1, rows(len(p) - 1))])
+            if i:
+                times.append(time.perf_counter() - start)
+    finally:
+        for r in ids:
+            proposer.release(r)
+    extra = max(1, len(prompts[0]) - 1 - CATCH_UP)
+    return max(0.0, (statistics.median(times) - steady_round) / extra)
 
 
 def _hidden_rows(width: int) -> Callable[[int], torch.Tensor | None]:

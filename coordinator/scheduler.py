@@ -31,7 +31,7 @@ import torch
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
-from dspark.coordinator.step_time_fit import CatchUpFit, Fit, StepTimeFit
+from dspark.coordinator.step_time_fit import Fit, StepTimeFit
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
@@ -142,14 +142,13 @@ class BudgetedPolicy(Policy):
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
-        self._catch_up = CatchUpFit()  # seconds per row a round takes in beyond a steady one's
         # This step's rows to catch up on, per request that did not draft in the previous step,
         # and every request's cap (the tokens it may still generate).
         self._backlog: dict[str, int] = {}
         self._caps: dict[str, int] = {}
-        # The step in flight, for its profiled time: its requests, drafted positions, whether
-        # its round was steady (no catch-up of idle steps) and the rows it caught up on.
-        self._profiled_time: tuple[int, int, bool, int] | None = None
+        # The step in flight, for its profiled time: its requests, drafted positions and
+        # whether its round was steady (no catch-up of idle steps).
+        self._profiled_time: tuple[int, int, bool] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -186,10 +185,8 @@ class BudgetedPolicy(Policy):
         budget swung)."""
         if self._profiled_time is None:
             return
-        num_reqs, depth, steady, rows = self._profiled_time
+        num_reqs, depth, steady = self._profiled_time
         verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
-        steady_round = self.time_fit(num_reqs).draft_scale * drafting
-        self._catch_up.add(draft_seconds - steady_round, rows, steady_round)
         if not steady and draft_seconds > drafting:  # a catch-up: a bound, not a measurement
             seconds -= draft_seconds - drafting
             draft_seconds = drafting
@@ -324,8 +321,7 @@ class BudgetedPolicy(Policy):
         # that rounds are cheaper, which an idle drafter has no other way to learn.
         steady = all(self._last_drafted.get(r) == self._steps - 1
                      for r, n in zip(drafts.req_ids, drafted) if n)
-        rows = sum(self._backlog.get(r, 0) for r, n in zip(drafts.req_ids, drafted) if n)
-        self._profiled_time = (len(planned), max(drafted, default=0), steady, rows)
+        self._profiled_time = (len(planned), max(drafted, default=0), steady)
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
@@ -355,7 +351,7 @@ class BudgetedPolicy(Policy):
         taken in once and serve the rest of the generation, so a long one barely notices its
         prompt while a request a few tokens from its end does not start a round for them.
         survivals: [num_reqs, γ] the stale survivals the budget reads."""
-        if not self._backlog or self._catch_up.per_row == 0:
+        if not self._backlog or self.cost.catch_up == 0:
             return 0.0
         rows = 0.0
         tokens = (1 + survivals.sum(dim=1)).tolist()  # [num_reqs] expected tokens a step
@@ -363,7 +359,7 @@ class BudgetedPolicy(Policy):
             backlog, cap = self._backlog.get(r, 0), self._caps.get(r, 0)
             if backlog and cap > 0:
                 rows += backlog / max(1.0, cap / per_step)
-        return self._catch_up.per_row * rows
+        return self.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
 
     def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],
                   budget: int | None = None) -> tuple[int, list[int]]:

@@ -62,24 +62,3 @@ class StepTimeFit:
                        other_sum / reqs if reqs > 0 else 0.0)
         return self.fit
 
-
-class CatchUpFit:
-    """Seconds a drafting round spends per row it takes in beyond a steady round's.
-
-    A request that did not draft in the previous step (new, idled by K = 0, probed) first
-    catches up on every committed row its drafter lacks: a whole prompt, or the steps it idled.
-    `add` takes each such round's time beyond the fitted steady round and the rows caught up;
-    `per_row` = Σ excess / Σ rows, exponentially weighted like `StepTimeFit`, each round's
-    excess capped at MAX_RATIO times its steady round (one outlier cannot freeze the drafter).
-    """
-
-    def __init__(self) -> None:
-        self._sums = [0.0, 0.0]  # [excess seconds, rows]
-        self.per_row = 0.0
-
-    def add(self, excess_seconds: float, rows: int, steady_round: float) -> None:
-        if rows <= 0:
-            return
-        excess = min(max(0.0, excess_seconds), MAX_RATIO * steady_round)
-        self._sums = [FORGET * self._sums[0] + excess, FORGET * self._sums[1] + rows]
-        self.per_row = self._sums[0] / self._sums[1]

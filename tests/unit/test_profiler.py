@@ -39,6 +39,7 @@ def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(wor
         assert all(t > 0 for t in table) or name in ("draft", "draft_sampled"), name
         assert all(a <= b for a, b in zip(table, table[1:])), f"{name} is not monotone"
     assert cost.meta["method"] == PROFILE_VERSION
+    assert cost.catch_up >= 0.0 and cost.catch_up_time(10) == pytest.approx(10 * cost.catch_up)
     assert target.usage() == {"requests": [], "used_blocks": 0}
     assert proposer.usage() == {"requests": [], "used_blocks": 0}
 

@@ -453,35 +453,19 @@ def test_one_outlier_cannot_set_a_scale() -> None:
     assert fit.fit.draft_scale < 2.0
 
 
-def test_catch_up_fit_learns_seconds_per_row_and_caps_outliers() -> None:
-    from dspark.coordinator.step_time_fit import MAX_RATIO, CatchUpFit
-
-    fit = CatchUpFit()
-    fit.add(0.5, 0, steady_round=0.1)  # nothing caught up: no evidence
-    assert fit.per_row == 0.0
-    fit.add(0.2, 100, steady_round=0.1)
-    assert fit.per_row == pytest.approx(0.002)
-    outlier = CatchUpFit()
-    outlier.add(50.0, 100, steady_round=0.1)  # a first remote call: seconds, not rows
-    assert outlier.per_row == pytest.approx(MAX_RATIO * 0.1 / 100)
-
-
 def test_a_round_that_must_catch_up_pays_for_it_in_the_budget() -> None:
-    # Verify 1 s, a steady round 0.5 s. A request that drafts after missing rows first takes
-    # them in: the step learns 0.01 s per row, and a new request with 400 rows to catch up and
-    # 3 tokens left is not worth a round at the prior rates (Θ = 2.18 / (1.5 + 2.9) < 1: its
-    # 400 rows spread over 3 / 2.18 steps), where one with nothing to catch up is.
-    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
+    # Verify 1 s, a steady round 0.5 s, and 0.01 s per row a round must catch up on first. A
+    # new request with 400 rows to catch up and 3 tokens left is not worth a round at the
+    # prior rates (Θ = 2.18 / (1.5 + 2.9) < 1: its 400 rows spread over 3 / 2.18 steps), where
+    # one with nothing to catch up is.
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,), catch_up=0.01)
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
-    assert policy.draft_lengths([3], ("a",), backlog=[100]) == [3]  # nothing learned yet
-    d = drafts_of([[0.9] * 3], ("a",))
-    planned = policy.plan_verification(d, policy.choose_budget(d))
-    policy.observe_time(1.0 + 1.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
     assert policy.draft_lengths([3], ("b",), backlog=[400]) == [0]
     assert policy.draft_lengths([3], ("c",), backlog=[0]) == [3]
     # The rows are taken in once: spread over a long generation (1000 tokens left, ~460 steps
     # at 2.18 tokens a step) they add 0.01 s to a round, and the round is worth it.
     assert policy.draft_lengths([1000], ("d",), backlog=[400]) == [3]
-    surv = survivals_of(torch.full((1, 3), 0.9, dtype=torch.float64))
-    assert policy.best_budget(surv, [3]) == 3
-    assert policy.best_budget(surv, [3], catch_up=4.0) == 0
+    # A request that drafted in the previous step has only a steady round's backlog.
+    d = drafts_of([[0.9] * 3], ("d",))
+    policy.plan_verification(d, policy.choose_budget(d))
+    assert policy.draft_lengths([3], ("d",), backlog=[400]) == [3]
