@@ -17,7 +17,8 @@ class RandomPolicy(Policy):
         self.rng, self.k = rng, k
 
     def draft_lengths(
-        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+        backlog: list[int] | None = None,
     ) -> list[int]:
         return [self.rng.randint(0, min(self.k, c)) for c in caps]
 

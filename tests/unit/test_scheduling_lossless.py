@@ -37,7 +37,8 @@ class LookAheadPolicy(Policy):
     name = "look-ahead"
 
     def draft_lengths(
-        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False
+        self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
+        backlog: list[int] | None = None,
     ) -> list[int]:
         return [min(2, c) for c in caps]
 
