@@ -36,11 +36,12 @@ from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
-SMOOTHING = 0.3  # weight of the newest stale row in its request's running average
+SMOOTHING = 0.3  # weight of a stale row one step newer than the rest of its running average
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
 PROBE_REQUESTS = 2  # ... for this many requests of the batch (a round costs ~R) ...
 PROBE_EVERY_ALONE = 4  # ... and every this many steps for a lone request (`probe_interval`);
 PROBE_MAX_GAP = 128  # each probe that finds speculation still not worth it doubles the gap to this
+RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
 
 
 @dataclass(frozen=True)
@@ -76,25 +77,31 @@ def sorted_survivals(survivals: torch.Tensor, limits: list[int]) -> tuple[torch.
 class StaleRow:
     """Survival rows of one request (or batch means), read once they are STALE_STEPS steps old.
 
-    `value_at(step)` is an exponential average, weight SMOOTHING on the newest, of every row
-    pushed at step `step − STALE_STEPS` or earlier (None before there is one). One step's
-    survivals are a noisy guess of the next step's: a budget read from a single row follows each
-    unlucky block, and for a lone request an idle drafter then freezes it at K = 0. The average
-    follows the text's difficulty instead. Nothing in it can depend on the current step's drafts.
+    `value_at(step)` is an exponential average in time of every row pushed at step
+    `step − STALE_STEPS` or earlier (None before there is one): a row pushed g steps after the
+    one before it has weight 1 − (1 − SMOOTHING)^g, SMOOTHING for consecutive steps. One
+    step's survivals are a noisy guess of the next step's: a budget read from a single row
+    follows each unlucky block, and for a lone request an idle drafter then freezes it at K = 0.
+    The average follows the text's difficulty instead; and after an idle stretch (no drafts for
+    g steps) the rows from before it count for little, so a probe that finds the text easy again
+    resumes speculation at once instead of after several more probes. Nothing in it can depend
+    on the current step's drafts.
     """
 
     def __init__(self) -> None:
         self._recent: deque[tuple[int, torch.Tensor]] = deque()  # (step, row [γ]), not yet read
         self.value: torch.Tensor | None = None  # [γ]
+        self._step = 0  # the step of the newest row in `value`
 
     def push(self, step: int, row: torch.Tensor) -> None:
         self._recent.append((step, row))
 
     def value_at(self, step: int) -> torch.Tensor | None:
         while self._recent and self._recent[0][0] <= step - STALE_STEPS:
-            old = self._recent.popleft()[1]
-            prev = old if self.value is None else self.value
-            self.value = SMOOTHING * old + (1 - SMOOTHING) * prev
+            pushed, old = self._recent.popleft()
+            keep = 0.0 if self.value is None else (1 - SMOOTHING) ** max(1, pushed - self._step)
+            self.value = old if self.value is None else (1 - keep) * old + keep * self.value
+            self._step = pushed
         return self.value
 
 
@@ -146,9 +153,10 @@ class BudgetedPolicy(Policy):
         # and every request's cap (the tokens it may still generate).
         self._backlog: dict[str, int] = {}
         self._caps: dict[str, int] = {}
-        # The step in flight, for its profiled time: its requests, drafted positions and
-        # whether its round was steady (no catch-up of idle steps).
-        self._profiled_time: tuple[int, int, bool] | None = None
+        self._cold = True  # this step's round follows a step without one (`Fit.resume_scale`)
+        # The step in flight, for its profiled time: its requests, drafted positions, whether
+        # its round was steady (no catch-up of idle steps), cold, and the rows it caught up on.
+        self._profiled_time: tuple[int, int, bool, bool, int] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -185,38 +193,45 @@ class BudgetedPolicy(Policy):
         budget swung)."""
         if self._profiled_time is None:
             return
-        num_reqs, depth, steady = self._profiled_time
+        num_reqs, depth, steady, cold, rows = self._profiled_time
         verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
+        key = (self._sampled, num_reqs.bit_length())
+        if cold:
+            self._fits.setdefault(key, StepTimeFit()).add_resume(
+                drafting, draft_seconds - self.cost.catch_up_time(rows))
         if not steady and draft_seconds > drafting:  # a catch-up: a bound, not a measurement
             seconds -= draft_seconds - drafting
             draft_seconds = drafting
-        key = (self._sampled, num_reqs.bit_length())
         self._fits.setdefault(key, StepTimeFit()).add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds)
         self._profiled_time = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int],
-                    catch_up: float = 0.0) -> int:
+                    catch_up: float = 0.0, margin: float = 0.0) -> int:
         """K maximising (R + Σ top-K a) / step_time, a global argmax over K (the smallest K on
         ties). Vectorised over K: it runs every step over up to R·γ slots."""
-        return self.best_plan(survivals, limits, catch_up)[0]
+        return self.best_plan(survivals, limits, catch_up, margin)[0]
 
     def best_plan(self, survivals: torch.Tensor, limits: list[int],
-                  catch_up: float = 0.0) -> tuple[int, int]:
+                  catch_up: float = 0.0, margin: float = 0.0) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
         how many positions the round must draft. A request's j-th slot always follows its
         (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
         positions costs draft_first + (depth − 1)·draft, plus `catch_up` seconds (the rows the
-        drafter must take in first), and K = 0 skips the round."""
+        drafter must take in first), and K = 0 skips the round. A K > 0 must beat K = 0's Θ by
+        `margin` (a fraction) to be chosen."""
         num_reqs = len(limits)
         a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + torch.cat([torch.zeros(1, dtype=torch.float64), a.cumsum(0)])
         ks = torch.arange(a.numel() + 1)
         depths = torch.cat([torch.zeros(1, dtype=torch.long), pos.cummax(0).values])
         verify, drafting = self.cost.step_parts(num_reqs + ks, num_reqs, depths, self._sampled)
-        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs)  # [num_slots + 1]
+        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, self._cold)  # [K + 1]
         times[1:] += catch_up
-        best = int(torch.argmax(tokens / times))
+        theta = tokens / times
+        best = int(torch.argmax(theta))
+        if best and theta[best] < (1 + margin) * theta[0]:
+            best = 0
         return best, int(depths[best])
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
@@ -268,9 +283,12 @@ class BudgetedPolicy(Policy):
         self._backlog = {r: b for r, b in zip(req_ids, backlog or [0] * len(req_ids))
                          if self._last_drafted.get(r) != self._steps - 1}
         self._caps = dict(zip(req_ids, caps))
+        self._cold = self._last_round != self._steps - 1
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
+            if any(self._planned):
+                self._last_round = self._steps
             # Remember the whole γ-long rows, not only what gets drafted: a step that verifies
             # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
             self._remember(req_ids, survivals_of(conf))
@@ -321,7 +339,8 @@ class BudgetedPolicy(Policy):
         # that rounds are cheaper, which an idle drafter has no other way to learn.
         steady = all(self._last_drafted.get(r) == self._steps - 1
                      for r, n in zip(drafts.req_ids, drafted) if n)
-        self._profiled_time = (len(planned), max(drafted, default=0), steady)
+        rows = sum(self._backlog.get(r, 0) for r, n in zip(drafts.req_ids, drafted) if n)
+        self._profiled_time = (len(planned), max(drafted, default=0), steady, self._cold, rows)
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
@@ -341,9 +360,13 @@ class BudgetedPolicy(Policy):
         """(K, depth to draft) before the drafts exist: from stale survivals only. A round
         that drafts for requests which did not draft in the previous step first catches up on
         their backlog: a cost of resuming (or starting) speculation, which a marginal gain does
-        not repay."""
+        not repay. After a step that verified nothing, resuming must gain RESUME_MARGIN: near
+        break-even the estimates' errors (a few percent of Θ) would flip the budget between 0
+        and a full round, and each resumption costs more than its profile (a drafter that idled
+        starts cold)."""
         stale = self.stale_survivals(req_ids)
-        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, stale))
+        margin = RESUME_MARGIN if self._budget == 0 else 0.0
+        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, stale), margin)
 
     def _catch_up_seconds(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> float:
         """What catching up adds to a drafting round's time, each request's share spread over

@@ -34,11 +34,14 @@ class Fit:
     verify_scale: float = 1.0
     draft_scale: float = 1.0
     per_request: float = 0.0  # seconds per request per step
+    resume_scale: float = 1.0  # `draft_scale` of a round after a step without one (cold)
 
-    def apply(self, verify: Any, drafting: Any, num_reqs: int) -> Any:
+    def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: bool = False) -> Any:
         """Estimated seconds of a step whose profiled parts are `verify` and `drafting` (floats,
-        or tensors of many candidate steps)."""
-        return self.verify_scale * verify + self.draft_scale * drafting + num_reqs * self.per_request
+        or tensors of many candidate steps); `cold`: the drafter ran no round in the step
+        before."""
+        scale = self.resume_scale if cold else self.draft_scale
+        return self.verify_scale * verify + scale * drafting + num_reqs * self.per_request
 
 
 class StepTimeFit:
@@ -47,6 +50,7 @@ class StepTimeFit:
     def __init__(self) -> None:
         # [profiled verify, measured verify, profiled drafting, measured drafting, other, R]
         self._sums = [0.0] * 6
+        self._resume = [0.0, 0.0]  # [profiled, measured] drafting of rounds after idle steps
         self.fit = Fit()
 
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
@@ -57,8 +61,23 @@ class StepTimeFit:
         new = (verify, min(verify_seconds, MAX_RATIO * verify),
                drafting, min(draft_seconds, MAX_RATIO * drafting), other, float(num_reqs))
         self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
+        return self._refit()
+
+    def add_resume(self, drafting: float, draft_seconds: float) -> Fit:
+        """A drafting round after a step without one: `drafting` its profiled time (catch-up
+        rows left out), `draft_seconds` what it took. On a CPU such a round runs cold (the
+        drafter's weights left the caches while the target ran alone), measured at ~1.5x a
+        steady one: a switching cost that resuming speculation must repay."""
+        if drafting <= 0:
+            return self.fit
+        new = (drafting, min(max(0.0, draft_seconds), MAX_RATIO * drafting))
+        self._resume = [FORGET * old + x for old, x in zip(self._resume, new)]
+        return self._refit()
+
+    def _refit(self) -> Fit:
         pv, mv, pd, md, other_sum, reqs = self._sums
+        rp, rm = self._resume
         self.fit = Fit(mv / pv if pv > 0 else 1.0, md / pd if pd > 0 else 1.0,
-                       other_sum / reqs if reqs > 0 else 0.0)
+                       other_sum / reqs if reqs > 0 else 0.0, rm / rp if rp > 0 else 1.0)
         return self.fit
 

@@ -89,9 +89,17 @@ def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
     row.push(1, one)
     assert row.value_at(1) is None and row.value_at(2) is None  # not two steps old yet
     assert torch.equal(row.value_at(3), one)
-    row.push(20, two)  # a probe after an idle stretch: readable two steps later, not two pushes
-    assert torch.equal(row.value_at(21), one)
-    torch.testing.assert_close(row.value_at(22), SMOOTHING * two + (1 - SMOOTHING) * one,
+    row.push(4, one)
+    torch.testing.assert_close(row.value_at(6), one, rtol=0, atol=1e-15)
+    row.push(5, two)  # the next step's row: weight SMOOTHING
+    torch.testing.assert_close(row.value_at(7), SMOOTHING * two + (1 - SMOOTHING) * one,
+                               rtol=0, atol=1e-15)
+    before = row.value_at(7)
+    row.push(20, one)  # a probe after an idle stretch: readable two steps later, not two pushes
+    assert torch.equal(row.value_at(21), before)
+    # 15 steps after the row before it, it all but replaces the average (weight 1 − 0.7^15).
+    keep = (1 - SMOOTHING) ** 15
+    torch.testing.assert_close(row.value_at(22), (1 - keep) * one + keep * before,
                                rtol=0, atol=1e-15)
 
 
@@ -469,3 +477,49 @@ def test_a_round_that_must_catch_up_pays_for_it_in_the_budget() -> None:
     d = drafts_of([[0.9] * 3], ("d",))
     policy.plan_verification(d, policy.choose_budget(d))
     assert policy.draft_lengths([3], ("d",), backlog=[400]) == [3]
+
+
+def test_a_cold_round_after_idle_steps_costs_its_measured_resume_scale() -> None:
+    from dspark.coordinator.step_time_fit import MAX_RATIO
+
+    fit = StepTimeFit()
+    assert fit.fit.resume_scale == 1.0  # nothing measured: the profile
+    fit.add_resume(0.5, 1.5)
+    assert fit.fit.resume_scale == pytest.approx(3.0)
+    assert fit.fit.apply(1.0, 0.5, 1, cold=True) == pytest.approx(2.5)
+    assert fit.fit.apply(1.0, 0.5, 1) == pytest.approx(1.5)  # a steady round keeps its scale
+    outlier = StepTimeFit()
+    outlier.add_resume(0.5, 100.0)
+    assert outlier.fit.resume_scale == pytest.approx(MAX_RATIO)
+    # Verify 1 s, a round 0.5 s: at the prior rates (survivals .6, .36, .216) speculating pays
+    # when the drafter is warm (Θ = 2.18 / 1.5), not when its round runs 3x dearer after
+    # idle steps (2.18 / 2.5 < 1).
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    assert policy.draft_lengths([3], ids) == [3]  # warm: nothing measured yet
+    d = drafts_of([[0.6] * 3], ids)
+    planned = policy.plan_verification(d, policy.choose_budget(d))
+    policy._profiled_time = (1, 3, False, True, 0)  # as if this round had followed idle steps
+    policy.observe_time(1.0 + 1.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
+    assert policy.time_fit(1).resume_scale == pytest.approx(3.0)
+    surv = survivals_of(torch.full((1, 3), 0.6, dtype=torch.float64))
+    policy._cold = True
+    assert policy.best_budget(surv, [3]) == 0
+    policy._cold = False
+    assert policy.best_budget(surv, [3]) == 3
+
+
+def test_resuming_after_a_step_without_speculation_needs_a_margin() -> None:
+    from dspark.coordinator.scheduler import RESUME_MARGIN
+
+    # Verify 1 s, a round 1.1126 s: at survivals .6, .36, .216 speculating gains 3% of Θ
+    # (2.176 / 2.1126 against 1), less than RESUME_MARGIN.
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(1.1126,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    surv = survivals_of(torch.full((1, 3), 0.6, dtype=torch.float64))
+    assert RESUME_MARGIN > 0.03
+    assert policy.best_budget(surv, [3]) == 3
+    assert policy.best_budget(surv, [3], margin=RESUME_MARGIN) == 0
+    # Through the policy: the first step follows no speculation (K = 0 before it): stay idle.
+    assert policy.draft_lengths([3], ("a",)) == [0]
