@@ -81,7 +81,7 @@ def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
 
 
 def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
-    from dspark.coordinator.scheduler import SMOOTHING, StaleRow
+    from dspark.coordinator.stale_history import SMOOTHING, StaleRow
 
     row = StaleRow()
     one = torch.full((3,), 0.9, dtype=torch.float64)
@@ -258,7 +258,7 @@ def test_rows_without_drafts_leave_the_history_alone() -> None:
         k = policy.choose_budget(d)
         policy.plan_verification(d, k)
     # The history holds the two fresh rows, averaged, not zero rows.
-    from dspark.coordinator.scheduler import SMOOTHING
+    from dspark.coordinator.stale_history import SMOOTHING
 
     high, mid = (survivals_of(torch.tensor([[c] * 3], dtype=torch.float64))[0] for c in (0.95, 0.5))
     torch.testing.assert_close(policy.stale_survivals(ids)[0],
