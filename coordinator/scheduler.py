@@ -60,7 +60,8 @@ def sorted_slots(survivals: torch.Tensor, limits: list[int]) -> list[Slot]:
     return slots
 
 
-def sorted_survivals(survivals: torch.Tensor, limits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_survivals(survivals: torch.Tensor, limits: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, j) of every admissible slot, best first by key (−a, j, r): each [num_slots]."""
     num_reqs, width = survivals.shape
     # Column-major order lists the slots by (j, r) already; one stable sort on −a then gives
@@ -140,9 +141,10 @@ class BudgetedPolicy(Policy):
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
-        drafting parts, and seconds per request), for batches that sample or not (default: this step's) and batch sizes in
-        powers of two (1, 2–3, 4–7, ...): what is learned at one size is not scaled to another.
-        The identity until steps of that kind were measured."""
+        drafting parts, of a cold round, and seconds per request), for batches that sample or
+        not (default: this step's) and batch sizes in powers of two (1, 2–3, 4–7, ...): what is
+        learned at one size is not scaled to another. The identity until steps of that kind
+        were measured."""
         sampled = self._sampled if sampled is None else sampled
         fit = self._fits.get((sampled, num_reqs.bit_length()))
         return fit.fit if fit is not None else Fit()
