@@ -12,9 +12,10 @@ Policies (one interface, `coordinator.policy.Policy`):
   Θ = E[tokens] / step_time. The early stop decides about slot (r, j) from slots ranked above
   it only, so it never looks at x_j or at later candidates: lossless with live confidences;
 - `confidence`: production: K = argmax_K (R + Σ top-K stale a) / step_time(R + K) over survivals
-  from two steps back and earlier (a running average per request, `StaleRow`, and a global one
-  for requests that are younger), then the K slots go to the largest *current* survivals. Stale inputs cannot leak the
-  current tokens, so the global argmax is safe.
+  from two steps back and earlier (an average in time per request, `StaleRow`, and a global one
+  for requests that are younger), then the K slots go to the largest *current* survivals. Stale
+  inputs cannot leak the current tokens, so the global argmax is safe. A step's time counts the
+  drafting round (cold after idle steps) and the rows an idle drafter must catch up on first.
 
 Confidence only prioritises: whatever is admitted is still verified by the target.
 When confidences do not depend on the drafts (tracked acceptance rates), the whole plan is made
