@@ -26,6 +26,9 @@ from dspark.sampling_params import SamplingParams
 
 PROMPTS = ("import os\n", "def main():\n", "class Config:\n", "for i in range(10):\n")
 LONG = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+# Near the demo models' 512-token context: ~1 s of decoding or more, far past a 0.2 s grace. (With
+# 300 tokens and a 1 s grace, a fast machine finished the stream inside the grace.)
+LONGEST = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
 
 
 def _serve(tmp_path: Path, grace: float) -> ServeProcess:
@@ -40,9 +43,9 @@ def _serve(tmp_path: Path, grace: float) -> ServeProcess:
 class Stream(threading.Thread):
     """One stream read to its end on its own thread; `first` is set at its first chunk."""
 
-    def __init__(self, address: str, prompt: str) -> None:
+    def __init__(self, address: str, prompt: str, params: SamplingParams = LONG) -> None:
         super().__init__(daemon=True)
-        self.address, self.prompt = address, prompt
+        self.address, self.prompt, self.params = address, prompt, params
         self.first = threading.Event()
         self.tokens: list[int] = []
         self.finish: str | None = None
@@ -51,7 +54,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             with dspark.Client(self.address, timeout=120) as client:
-                for chunk in client.stream(self.prompt, LONG):
+                for chunk in client.stream(self.prompt, self.params):
                     self.tokens.extend(chunk.token_ids)
                     self.finish = chunk.finish_reason
                     self.first.set()
@@ -105,9 +108,9 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_calls(
 
 
 def test_sigterm_cancels_streams_past_grace_and_exits_0(tmp_path: Path) -> None:
-    server = _serve(tmp_path, grace=1)
+    server = _serve(tmp_path, grace=0.2)
     try:
-        stream = Stream(server.address, PROMPTS[0])
+        stream = Stream(server.address, PROMPTS[0], LONGEST)
         stream.start()
         assert stream.first.wait(60)
         start = time.monotonic()
@@ -116,8 +119,8 @@ def test_sigterm_cancels_streams_past_grace_and_exits_0(tmp_path: Path) -> None:
         stream.join(30)
         assert not stream.is_alive()
         assert stream.error is not None and stream.error.code in ("CANCELLED", "UNAVAILABLE")
-        assert len(stream.tokens) < LONG.max_tokens
-        assert took < 15, f"exit took {took:.1f} s with a 1 s grace"
+        assert len(stream.tokens) < LONGEST.max_tokens
+        assert took < 15, f"exit took {took:.1f} s with a 0.2 s grace"
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
