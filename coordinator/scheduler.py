@@ -25,6 +25,7 @@ before drafting, so an autoregressive draft model drafts exactly what will be ve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,16 @@ PROBE_REQUESTS = 2  # ... for this many requests of the batch (a round costs ~R)
 PROBE_EVERY_ALONE = 4  # ... and every this many steps for a lone request (`probe_interval`);
 PROBE_MAX_GAP = 128  # each probe that finds speculation still not worth it doubles the gap to this
 RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
+
+
+class RoundInFlight(NamedTuple):
+    """What `observe_time` needs of the step it times."""
+
+    num_reqs: int
+    depth: int  # positions drafted
+    steady: bool  # every drafting request drafted in the previous step too (no catch-up)
+    cold: bool  # the drafter ran no round in the previous step
+    rows: int  # committed rows the round caught up on
 
 
 @dataclass(frozen=True)
@@ -123,9 +134,7 @@ class BudgetedPolicy(Policy):
         self._backlog: dict[str, int] = {}
         self._caps: dict[str, int] = {}
         self._cold = True  # this step's round follows a step without one (`Fit.resume_scale`)
-        # The step in flight, for its profiled time: its requests, drafted positions, whether
-        # its round was steady (no catch-up of idle steps), cold, and the rows it caught up on.
-        self._profiled_time: tuple[int, int, bool, bool, int] | None = None
+        self._in_flight: RoundInFlight | None = None  # the step planned, not yet timed
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -161,9 +170,9 @@ class BudgetedPolicy(Policy):
         profiled must not read as negative overhead. One fit serves steps that draft and steps
         that do not (learning them apart made whichever was less known look cheaper, and the
         budget swung)."""
-        if self._profiled_time is None:
+        if self._in_flight is None:
             return
-        num_reqs, depth, steady, cold, rows = self._profiled_time
+        num_reqs, depth, steady, cold, rows = self._in_flight
         verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
         key = (self._sampled, num_reqs.bit_length())
         if cold:
@@ -174,7 +183,7 @@ class BudgetedPolicy(Policy):
             draft_seconds = drafting
         self._fits.setdefault(key, StepTimeFit()).add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds)
-        self._profiled_time = None
+        self._in_flight = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int],
                     catch_up: float = 0.0, margin: float = 0.0) -> int:
@@ -310,7 +319,8 @@ class BudgetedPolicy(Policy):
         steady = all(self._last_drafted.get(r) == self._steps - 1
                      for r, n in zip(drafts.req_ids, drafted) if n)
         rows = sum(self._backlog.get(r, 0) for r, n in zip(drafts.req_ids, drafted) if n)
-        self._profiled_time = (len(planned), max(drafted, default=0), steady, self._cold, rows)
+        self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), steady, self._cold,
+                                        rows)
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps

@@ -500,7 +500,10 @@ def test_a_cold_round_after_idle_steps_costs_its_measured_resume_scale() -> None
     assert policy.draft_lengths([3], ids) == [3]  # warm: nothing measured yet
     d = drafts_of([[0.6] * 3], ids)
     planned = policy.plan_verification(d, policy.choose_budget(d))
-    policy._profiled_time = (1, 3, False, True, 0)  # as if this round had followed idle steps
+    from dspark.coordinator.scheduler import RoundInFlight
+
+    # As if this round had followed idle steps:
+    policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0)
     policy.observe_time(1.0 + 1.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
     assert policy.time_fit(1).resume_scale == pytest.approx(3.0)
     surv = survivals_of(torch.full((1, 3), 0.6, dtype=torch.float64))
