@@ -316,11 +316,10 @@ class BudgetedPolicy(Policy):
         # only up to its profile, or probes would teach the fit that drafting is several times
         # dearer than it is, and the budget would stay at 0; below its profile it is evidence
         # that rounds are cheaper, which an idle drafter has no other way to learn.
-        steady = all(self._last_drafted.get(r) == self._steps - 1
-                     for r, n in zip(drafts.req_ids, drafted) if n)
-        rows = sum(self._backlog.get(r, 0) for r, n in zip(drafts.req_ids, drafted) if n)
-        self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), steady, self._cold,
-                                        rows)
+        # `_backlog` holds exactly the requests that did not draft in the previous step.
+        caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
+        self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
+                                        self._cold, sum(self._backlog[r] for r in caught_up))
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
