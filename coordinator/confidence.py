@@ -144,7 +144,8 @@ class AcceptanceTracker:
         """Drafts with confidences: the proposer's head's (drift-corrected), else tracked rates.
         `sampled[i]` says whether request i samples (temperature > 0); None: all greedy."""
         if drafts.confidences is not None:
-            if self.drift is None:
+            if self.drift is None or drafts.confidences.shape[1] == 0:  # nothing drafted
+                self._raw = {}
                 return drafts
             kinds = [False] * len(drafts.req_ids) if sampled is None else list(sampled)
             assert len(kinds) == len(drafts.req_ids), (len(kinds), len(drafts.req_ids))

@@ -28,7 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from tqdm import tqdm
 
 
@@ -83,34 +85,33 @@ class CostModel:
         return (self.verify_time(num_tokens, sampled)
                 + self.draft_time(num_reqs, draft_positions, sampled))
 
-    def step_parts(
-        self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor,
-        sampled: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([n], [n]) float64
+    def step_parts(self, num_tokens: ArrayLike, num_reqs: int, draft_positions: ArrayLike,
+                   sampled: bool = False) -> tuple[np.ndarray, np.ndarray]:  # ([n], [n]) float64
         """(verify, drafting) seconds of many steps at once (num_tokens, draft_positions: [n]
-        int): `verify_time` and `draft_time`, vectorised."""
-        table = self._verify_sampled_tensor if sampled and self.verify_sampled else self._verify_tensor
-        verify = _lookup_many(table, num_tokens)
+        int): `verify_time` and `draft_time`, vectorised. numpy, not torch: the budget calls
+        this every step over a few hundred candidates, where each torch op's dispatch (~5 µs)
+        costs more than its arithmetic."""
+        sampled_table = sampled and bool(self.verify_sampled)
+        table = self._verify_sampled_array if sampled_table else self._verify_array
+        verify = _lookup_many(table, np.asarray(num_tokens))
         first, each = self._draft_costs(num_reqs, sampled)
-        positions = draft_positions.clamp(min=0).to(torch.float64)
-        drafting = torch.where(positions > 0, first + (positions - 1) * each, 0.0)
+        positions = np.maximum(np.asarray(draft_positions), 0).astype(np.float64)
+        drafting = np.where(positions > 0, first + (positions - 1) * each, 0.0)
         return verify, drafting
 
-    def step_times(
-        self, num_tokens: torch.Tensor, num_reqs: int, draft_positions: torch.Tensor,
-        sampled: bool = False,
-    ) -> torch.Tensor:  # [n] float64
+    def step_times(self, num_tokens: ArrayLike, num_reqs: int, draft_positions: ArrayLike,
+                   sampled: bool = False) -> np.ndarray:  # [n] float64
         """`step_time` for many steps at once (num_tokens, draft_positions: [n] int)."""
         verify, drafting = self.step_parts(num_tokens, num_reqs, draft_positions, sampled)
         return verify + drafting
 
     @functools.cached_property
-    def _verify_tensor(self) -> torch.Tensor:  # [B_max] float64, built once (frozen tables)
-        return torch.tensor(self.verify, dtype=torch.float64)
+    def _verify_array(self) -> np.ndarray:  # [B_max] float64, built once (frozen tables)
+        return np.asarray(self.verify, dtype=np.float64)
 
     @functools.cached_property
-    def _verify_sampled_tensor(self) -> torch.Tensor:  # [B_max] float64
-        return torch.tensor(self.verify_sampled, dtype=torch.float64)
+    def _verify_sampled_array(self) -> np.ndarray:  # [B_max] float64
+        return np.asarray(self.verify_sampled, dtype=np.float64)
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -150,14 +151,13 @@ def _lookup(table: tuple[float, ...], n: int) -> float:
     return table[-1] + slope * (n - len(table))
 
 
-def _lookup_many(table: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """`_lookup` over a tensor of sizes (the same extrapolation past the table)."""
+def _lookup_many(table: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """`_lookup` over an array of sizes (the same extrapolation past the table)."""
     size = table.shape[0]
-    last = float(table[-1])
-    slope = (last - float(table[0])) / max(1, size - 1)
-    inside = table[(n.clamp(1, size) - 1)]
-    beyond = last + slope * (n - size).to(torch.float64)
-    return torch.where(n <= 0, 0.0, torch.where(n <= size, inside, beyond))
+    slope = (table[-1] - table[0]) / max(1, size - 1)
+    inside = table[np.clip(n, 1, size) - 1]
+    beyond = table[-1] + slope * (n - size)
+    return np.where(n <= 0, 0.0, np.where(n <= size, inside, beyond))
 
 
 def monotone(values: list[float]) -> tuple[float, ...]:

@@ -526,3 +526,54 @@ def test_resuming_after_a_step_without_speculation_needs_a_margin() -> None:
     assert policy.best_budget(surv, [3], margin=RESUME_MARGIN) == 0
     # Through the policy: the first step follows no speculation (K = 0 before it): stay idle.
     assert policy.draft_lengths([3], ("a",)) == [0]
+
+
+def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
+    from dspark.coordinator.scheduler import PROBE_EVERY, ConfidencePolicy
+
+    class Counting(ConfidencePolicy):
+        """Records the steps it plans at; `replan` makes it plan at every step (the reference)."""
+
+        def __init__(self, replan: bool) -> None:
+            # Verify 1 s flat, a drafting round 1 s: speculation pays only at high confidence.
+            cost = CostModel("t", verify=(1.0,) * 16, draft=(0.0,), draft_first=(1.0,))
+            super().__init__(3, cost, AcceptanceTracker(3), a_priori=False,
+                             sequential_drafts=False)
+            self.replan, self.planned_at = replan, []
+
+        def budget_before_drafting(self, req_ids, limits):  # noqa: ANN001, ANN201
+            self.planned_at.append(self._steps)
+            return super().budget_before_drafting(req_ids, limits)
+
+        def _idle_plan_holds(self, req_ids: tuple[str, ...]) -> bool:
+            return False if self.replan else super()._idle_plan_holds(req_ids)
+
+    cached, reference = Counting(replan=False), Counting(replan=True)
+    steps = 8 * PROBE_EVERY
+    joins, easy_from = 41, 61  # a third request joins; then the text turns easy
+    decisions = {True: [], False: []}
+    for step in range(1, steps + 1):
+        ids = ("a", "b", "c") if step >= joins else ("a", "b")
+        conf = [[0.95 if step >= easy_from else 0.1] * 3] * len(ids)
+        for policy in (cached, reference):
+            lengths = policy.draft_lengths([20] * len(ids), ids)
+            d = drafts_of(conf, ids) if any(lengths) else skipped_drafts(ids)
+            k = policy.choose_budget(d)
+            planned = policy.plan_verification(d, k)
+            policy.observe(step_of(ids, planned, [0] * len(ids)))
+            decisions[policy is cached].append((step, tuple(lengths), k, tuple(planned)))
+    assert decisions[True] == decisions[False]  # the same decisions, step by step
+    drafted = [step for step, lengths, _, _ in decisions[True] if any(lengths)]
+    budgets = {step: k for step, _, k, _ in decisions[True]}
+    probes = [s for s in drafted if budgets[s] == 0]
+    assert len(probes) >= 3 and any(s >= easy_from for s in probes)
+    resumed = min(s for s in drafted if s >= easy_from and budgets[s] > 0)
+    assert resumed == min(p for p in probes if p >= easy_from) + 2  # its rows, 2 steps old
+    assert reference.planned_at == list(range(1, steps + 1))
+    idle = [s for s in cached.planned_at if s < resumed]
+    assert len(idle) < resumed // 3  # an idle batch seldom plans again ...
+    gaps = [b - a for a, b in zip(idle, idle[1:])]
+    assert max(gaps) <= PROBE_EVERY  # ... but reads the step-time fit again at least this often
+    assert joins in cached.planned_at  # ... and plans for a new batch
+    for p in probes:  # ... and when a probe's rows become readable
+        assert p + 2 in cached.planned_at
