@@ -126,7 +126,7 @@ class BudgetedPolicy(Policy):
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
         self._last_drafted: dict[str, int] = {}  # request -> the last step it drafted
-        self._last_round = 0  # the last step with a drafting round (speculation or a probe)
+        self._last_round = 0  # the last step whose round drafted anything (speculation or a probe)
         self._idle_probes = 0  # probes since the last step with K > 0 (`probe_interval`)
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
@@ -272,8 +272,6 @@ class BudgetedPolicy(Policy):
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
-            if any(self._planned):
-                self._last_round = self._steps
             # Remember the whole γ-long rows, not only what gets drafted: a step that verifies
             # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
             self._remember(req_ids, survivals_of(conf))
@@ -285,7 +283,7 @@ class BudgetedPolicy(Policy):
             # Kept only when made as every later idle step's would be: cold, with the margin.
             self._idle_plan = (req_ids, self._steps) if self._budget == 0 and self._cold else None
         if self._budget > 0 or self.sequential_drafts:
-            self._last_round, self._idle_probes = self._steps, 0
+            self._idle_probes = 0
             # Draft no deeper than the budget's slots reach: a deeper position costs its share of
             # the round and would not be admitted.
             return [min(n, depth) for n in limits]
@@ -294,7 +292,6 @@ class BudgetedPolicy(Policy):
         # history (and so the budget) following the drafter.
         if self._steps - self._last_round < probe_interval(len(limits), self._idle_probes):
             return [0] * len(limits)
-        self._last_round = self._steps
         self._idle_probes += 1
         probed = self._probed(req_ids)
         return [n if i in probed else 0 for i, n in enumerate(limits)]
@@ -347,6 +344,10 @@ class BudgetedPolicy(Policy):
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
+        # A round counts when it drafted: a budget for a request whose drafter cannot draft yet
+        # (its prompt's rows are still in the target's pass) ran none, and the next is cold.
+        if any(drafted):
+            self._last_round = self._steps
         if not self.a_priori and drafts.confidences is not None:
             self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
         return planned

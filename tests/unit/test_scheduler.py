@@ -532,14 +532,17 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
     from dspark.coordinator.scheduler import PROBE_EVERY, ConfidencePolicy
 
     class Counting(ConfidencePolicy):
-        """Records the steps it plans at; `replan` makes it plan at every step (the reference)."""
+        """Records the steps it plans and probes at; `replan` makes it plan at every step (the
+        reference)."""
 
         def __init__(self, replan: bool) -> None:
-            # Verify 1 s flat, a drafting round 1 s: speculation pays only at high confidence.
-            cost = CostModel("t", verify=(1.0,) * 16, draft=(0.0,), draft_first=(1.0,))
+            # Verify 1 s + 0.2 s a token, a drafting round 1 s: speculation pays only at high
+            # confidence.
+            verify = tuple(1.0 + 0.2 * b for b in range(16))
+            cost = CostModel("t", verify=verify, draft=(0.0,), draft_first=(1.0,))
             super().__init__(3, cost, AcceptanceTracker(3), a_priori=False,
                              sequential_drafts=False)
-            self.replan, self.planned_at = replan, []
+            self.replan, self.planned_at, self.probed_at = replan, [], []
 
         def budget_before_drafting(self, req_ids, limits):  # noqa: ANN001, ANN201
             self.planned_at.append(self._steps)
@@ -547,6 +550,10 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
 
         def _idle_plan_holds(self, req_ids: tuple[str, ...]) -> bool:
             return False if self.replan else super()._idle_plan_holds(req_ids)
+
+        def _probed(self, req_ids: tuple[str, ...]) -> set[int]:
+            self.probed_at.append(self._steps)
+            return super()._probed(req_ids)
 
     cached, reference = Counting(replan=False), Counting(replan=True)
     steps = 8 * PROBE_EVERY
@@ -563,12 +570,12 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
             policy.observe(step_of(ids, planned, [0] * len(ids)))
             decisions[policy is cached].append((step, tuple(lengths), k, tuple(planned)))
     assert decisions[True] == decisions[False]  # the same decisions, step by step
-    drafted = [step for step, lengths, _, _ in decisions[True] if any(lengths)]
     budgets = {step: k for step, _, k, _ in decisions[True]}
-    probes = [s for s in drafted if budgets[s] == 0]
-    assert len(probes) >= 3 and any(s >= easy_from for s in probes)
-    resumed = min(s for s in drafted if s >= easy_from and budgets[s] > 0)
-    assert resumed == min(p for p in probes if p >= easy_from) + 2  # its rows, 2 steps old
+    probes = cached.probed_at
+    assert len(probes) >= 3 and all(budgets[p] == 0 for p in probes)
+    # The first probe into easy text resumes speculation once its rows are two steps old.
+    resumed = min(p for p in probes if p >= easy_from) + 2
+    assert all(budgets[s] > 0 for s in range(resumed, steps + 1))
     assert reference.planned_at == list(range(1, steps + 1))
     idle = [s for s in cached.planned_at if s < resumed]
     assert len(idle) < resumed // 3  # an idle batch seldom plans again ...
@@ -577,3 +584,20 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
     assert joins in cached.planned_at  # ... and plans for a new batch
     for p in probes:  # ... and when a probe's rows become readable
         assert p + 2 in cached.planned_at
+
+
+def test_a_budget_that_drafted_nothing_leaves_the_next_round_cold() -> None:
+    # A new request's first step prefills its prompt: its drafter has no rows yet and drafts
+    # nothing whatever the budget, so the round after it follows a step without one.
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.1,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    assert policy.draft_lengths([3], ids) == [3]
+    d = skipped_drafts(ids)  # the drafter was not ready
+    policy.plan_verification(d, policy.choose_budget(d))
+    assert policy.draft_lengths([3], ids) == [3]
+    assert policy._cold  # no round ran in the previous step
+    d = drafts_of([[0.9] * 3], ids)
+    policy.plan_verification(d, policy.choose_budget(d))
+    policy.draft_lengths([3], ids)
+    assert not policy._cold  # this time one did
