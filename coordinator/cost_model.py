@@ -183,10 +183,11 @@ def median_time(fn: Callable[[], None], repeats: int) -> float:
     return interleaved_medians([fn], repeats)[0]
 
 
-def interleaved_medians(fns: list[Callable[[], None]], repeats: int, seed: int = 0,
+def interleaved_medians(fns: list[Callable[[], float | None]], repeats: int, seed: int = 0,
                         desc: str | None = None) -> list[float]:
     """Median seconds of each of `fns` over `repeats` rounds; each round runs every fn once,
-    in a fresh random order (after one warm-up round).
+    in a fresh random order (after one warm-up round). A fn that returns seconds has timed its
+    own work (a part of what it runs); otherwise the call is timed whole.
 
     A shared machine's speed drifts by tens of percent within a minute. Timing one size after
     another puts a slow spell on a contiguous run of sizes and bends the curve's shape, and the
@@ -201,9 +202,9 @@ def interleaved_medians(fns: list[Callable[[], None]], repeats: int, seed: int =
         rng.shuffle(order)
         for i in order:
             start = time.perf_counter()
-            fns[i]()
+            timed = fns[i]()
             if rep:  # round 0 warms up
-                times[i].append(time.perf_counter() - start)
+                times[i].append(time.perf_counter() - start if timed is None else timed)
             bar.update()
     bar.close()
     return [statistics.median(t) for t in times]

@@ -24,7 +24,7 @@ before drafting, so an autoregressive draft model drafts exactly what will be ve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -53,6 +53,7 @@ class RoundInFlight(NamedTuple):
     steady: bool  # every drafting request drafted in the previous step too (no catch-up)
     cold: bool  # the drafter ran no round in the previous step
     rows: int  # committed rows the round caught up on
+    decode_tokens: int  # R + Σ ℓ: the pass's tokens that are not a prompt's (prefill)
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,19 @@ class BudgetedPolicy(Policy):
         learned at one size is not scaled to another. The identity until steps of that kind
         were measured."""
         sampled = self._sampled if sampled is None else sampled
-        fit = self._fits.get((sampled, num_reqs.bit_length()))
-        return fit.fit if fit is not None else Fit()
+        size = num_reqs.bit_length()
+        fit = self._fits.get((sampled, size))
+        if fit is not None and fit.knows_drafting:
+            return fit.fit
+        # No steady round measured at this size yet: borrow the drafting scale of the nearest
+        # size that has one (a guess closer than the profile's, which may be off by 2x), until
+        # this size measures its own.
+        known = [k[1] for k, f in self._fits.items() if k[0] == sampled and f.knows_drafting]
+        own = fit.fit if fit is not None else Fit()
+        if not known:
+            return own
+        nearest = self._fits[(sampled, min(known, key=lambda k: (abs(k - size), k)))].fit
+        return replace(own, draft_scale=nearest.draft_scale)
 
     def observe_time(self, seconds: float, num_tokens: int, draft_seconds: float,
                      verify_seconds: float) -> None:
@@ -176,17 +188,15 @@ class BudgetedPolicy(Policy):
         budget swung)."""
         if self._in_flight is None:
             return
-        num_reqs, depth, steady, cold, rows = self._in_flight
+        num_reqs, depth, steady, cold, rows, decode_tokens = self._in_flight
         verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
         key = (self._sampled, num_reqs.bit_length())
         if cold:
             self._fits.setdefault(key, StepTimeFit()).add_resume(
                 drafting, draft_seconds - self.cost.catch_up_time(rows))
-        if not steady and draft_seconds > drafting:  # a catch-up: a bound, not a measurement
-            seconds -= draft_seconds - drafting
-            draft_seconds = drafting
         self._fits.setdefault(key, StepTimeFit()).add(
-            verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds)
+            verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds, steady,
+            prefill=num_tokens > decode_tokens)
         self._in_flight = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int],
@@ -195,8 +205,8 @@ class BudgetedPolicy(Policy):
         ties). Vectorised over K: it runs every step over up to R·γ slots."""
         return self.best_plan(survivals, limits, catch_up, margin)[0]
 
-    def best_plan(self, survivals: torch.Tensor, limits: list[int],
-                  catch_up: float = 0.0, margin: float = 0.0) -> tuple[int, int]:
+    def best_plan(self, survivals: torch.Tensor, limits: list[int], catch_up: float = 0.0,
+                  margin: float = 0.0, cold: float | None = None) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
         how many positions the round must draft. A request's j-th slot always follows its
         (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
@@ -204,12 +214,13 @@ class BudgetedPolicy(Policy):
         drafter must take in first), and K = 0 skips the round. A K > 0 must beat K = 0's Θ by
         `margin` (a fraction) to be chosen."""
         num_reqs = len(limits)
+        cold = float(self._cold) if cold is None else cold
         a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
         depths = np.concatenate(([0], np.maximum.accumulate(pos)))  # [K + 1]
         verify, drafting = self.cost.step_parts(
             num_reqs + np.arange(a.size + 1), num_reqs, depths, self._sampled)
-        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, self._cold)  # [K + 1]
+        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold)  # [K + 1]
         times[1:] += catch_up
         theta = tokens / times
         best = int(np.argmax(theta))  # the first maximum: the smallest K on ties
@@ -220,15 +231,18 @@ class BudgetedPolicy(Policy):
     def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
         """Survivals from two steps back and before (`StaleRow`): the request's own, else the
         batch means', else the tracker's global rates (its documented prior for a new
-        deployment). None of these can depend on the current step's drafts."""
+        deployment). None of these can depend on the current step's drafts. The rows are numpy
+        (as in `best_plan`: a few dozen floats a request, every step)."""
         fallback = self._global_history.value_at(self._steps)
         if fallback is None:
-            fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+            fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0].numpy()
         rows = []
         for r in req_ids:
             own = self._history[r].value_at(self._steps) if r in self._history else None
             rows.append(own if own is not None else fallback)
-        return torch.stack(rows) if rows else torch.zeros(0, self.gamma, dtype=torch.float64)
+        if not rows:
+            return torch.zeros(0, self.gamma, dtype=torch.float64)
+        return torch.from_numpy(np.stack(rows))
 
     def _remember(self, req_ids: tuple[str, ...], survivals: torch.Tensor,
                   counts: list[int] | None = None) -> None:
@@ -241,18 +255,19 @@ class BudgetedPolicy(Policy):
         counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
         if not any(counts):  # an idle step (most steps where speculation does not pay)
             return
-        rates = self.tracker.global_rates()[: self.gamma].to(torch.float64)  # [γ] conditional
-        padded = torch.zeros(len(req_ids), self.gamma, dtype=torch.float64)
+        rates = self.tracker.global_rates()[: self.gamma].numpy()  # [γ] conditional
+        a_rj = np.asarray(survivals, dtype=np.float64)
+        padded = np.zeros((len(req_ids), self.gamma))
         for i, c in enumerate(counts):
             if c > 0:
-                padded[i, :c] = survivals[i, :c]
-                padded[i, c:] = survivals[i, c - 1] * torch.cumprod(rates[c:], 0)
+                padded[i, :c] = a_rj[i, :c]
+                padded[i, c:] = a_rj[i, c - 1] * np.cumprod(rates[c:])
         fresh = [c > 0 for c in counts]
         self._last_push = self._steps
         for r, row, ok in zip(req_ids, padded, fresh):
             if ok:
                 self._history.setdefault(r, StaleRow()).push(self._steps, row)
-        self._global_history.push(self._steps, padded[torch.tensor(fresh)].mean(dim=0))
+        self._global_history.push(self._steps, padded[fresh].mean(axis=0))
 
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
@@ -340,7 +355,8 @@ class BudgetedPolicy(Policy):
         # `_backlog` holds exactly the requests that did not draft in the previous step.
         caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
         self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
-                                        self._cold, sum(self._backlog[r] for r in caught_up))
+                                        self._cold, sum(self._backlog[r] for r in caught_up),
+                                        len(planned) + sum(planned))
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
@@ -370,22 +386,32 @@ class BudgetedPolicy(Policy):
         starts cold)."""
         stale = self.stale_survivals(req_ids)
         margin = RESUME_MARGIN if self._budget == 0 else 0.0
-        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, stale), margin)
+        steps = self._steps_left(req_ids, stale)
+        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold and steps else 0.0
+        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold)
 
-    def _catch_up_seconds(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> float:
+    def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> list[float]:
+        """Each request's steps left to speculate: its cap over the 1 + Σ a tokens a step
+        commits. survivals: [num_reqs, γ] the stale survivals the budget reads."""
+        tokens = (1 + np.asarray(survivals).sum(axis=1)).tolist()  # [num_reqs] tokens a step
+        return [self._caps.get(r, 0) / per_step for r, per_step in zip(req_ids, tokens)]
+
+    def _catch_up_seconds(self, req_ids: tuple[str, ...], steps: list[float]) -> float:
         """What catching up adds to a drafting round's time, each request's share spread over
-        the steps it has left to speculate (its cap over 1 + Σ a tokens a step): the rows are
-        taken in once and serve the rest of the generation, so a long one barely notices its
-        prompt while a request a few tokens from its end does not start a round for them.
-        survivals: [num_reqs, γ] the stale survivals the budget reads."""
+        the `steps` it has left to speculate (`_steps_left`): the rows are taken in once and
+        serve the rest of the generation, so a long one barely notices its prompt while a
+        request a few tokens from its end does not start a round for them. A cold round's
+        premium (`Fit.resume_scale`) is a switching cost of the same kind, spread over the
+        batch's mean steps left (`budget_before_drafting`): charged whole to the resuming step,
+        it kept a lone request idle (K = 0 at 1 in flight, T = 1) where steady speculation
+        paid 16%, since a cold round there costs 1.7x a steady one."""
         if not self._backlog or self.cost.catch_up == 0:
             return 0.0
         rows = 0.0
-        tokens = (1 + survivals.sum(dim=1)).tolist()  # [num_reqs] expected tokens a step
-        for r, per_step in zip(req_ids, tokens):
-            backlog, cap = self._backlog.get(r, 0), self._caps.get(r, 0)
-            if backlog and cap > 0:
-                rows += backlog / max(1.0, cap / per_step)
+        for r, left in zip(req_ids, steps):
+            backlog = self._backlog.get(r, 0)
+            if backlog and left > 0:
+                rows += backlog / max(1.0, left)
         return self.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
 
     def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
+import numpy as np
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of a stale row one step newer than the rest of its running average
@@ -29,14 +29,14 @@ class StaleRow:
     """
 
     def __init__(self) -> None:
-        self._recent: deque[tuple[int, torch.Tensor]] = deque()  # (step, row [γ]), not yet read
-        self.value: torch.Tensor | None = None  # [γ]
+        self._recent: deque[tuple[int, np.ndarray]] = deque()  # (step, row [γ]), not yet read
+        self.value: np.ndarray | None = None  # [γ]
         self._step = 0  # the step of the newest row in `value`
 
-    def push(self, step: int, row: torch.Tensor) -> None:
+    def push(self, step: int, row: np.ndarray) -> None:
         self._recent.append((step, row))
 
-    def value_at(self, step: int) -> torch.Tensor | None:
+    def value_at(self, step: int) -> np.ndarray | None:
         while self._recent and self._recent[0][0] <= step - STALE_STEPS:
             pushed, old = self._recent.popleft()
             keep = 0.0 if self.value is None else (1 - SMOOTHING) ** max(1, pushed - self._step)

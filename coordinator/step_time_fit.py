@@ -10,8 +10,17 @@ times each part of a step, so each is read off directly (no regression to split 
   budget (the argmax of tokens / time is the same), but read as an additive error it would,
   and a drafting round dearer or cheaper than profiled changes what speculation costs;
 - per_request = Σ (seconds − worker seconds) / Σ R: the step's other work (the engine's
-  bookkeeping, planning, commit and rollback), about linear in the batch size R. It is a fixed
-  cost of every step, so it makes speculation (fewer, longer steps) worth more.
+  bookkeeping, planning, commit and rollback), about linear in the batch size R, learned apart
+  for steps with a drafting round (`round_per_request`: confidences, allocation, more tokens to
+  commit; measured 0.4–0.9 ms a step against 0.1–0.2 without one). It is a cost of every step,
+  so it makes speculation (fewer, longer steps) worth more, and the part only speculating steps
+  pay makes it worth less.
+
+Only decode passes enter the verify scale: a pass that also prefills a prompt relates to the
+profile (of decode passes) by another ratio (measured 0.49 for ~200-token prompts against 0.76
+for decode passes on the same run), and weighing as much as a dozen decode steps it pulled the
+scale down: a step's base looked cheaper, drafting dearer beside it, and a lone request idled
+where speculation paid.
 
 Sums are exponentially weighted (FORGET^age), so the fit follows a machine whose speed drifts.
 One step counts for at most MAX_RATIO times its profile: a single outlier (an actor's first
@@ -33,33 +42,58 @@ MAX_RATIO = 4.0  # a step's measured part counts for at most this many times its
 class Fit:
     verify_scale: float = 1.0
     draft_scale: float = 1.0
-    per_request: float = 0.0  # seconds per request per step
+    per_request: float = 0.0  # seconds per request per step (of a step without a round)
     resume_scale: float = 1.0  # `draft_scale` of a round after a step without one (cold)
+    round_per_request: float | None = None  # `per_request` of a step with a round (None: same)
 
-    def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: bool = False) -> Any:
+    def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: float = 0.0) -> Any:
         """Estimated seconds of a step whose profiled parts are `verify` and `drafting` (floats,
-        or tensors of many candidate steps); `cold`: the drafter ran no round in the step
-        before."""
-        scale = self.resume_scale if cold else self.draft_scale
-        return self.verify_scale * verify + scale * drafting + num_reqs * self.per_request
+        or arrays of many candidate steps). `cold`: the share of a cold round's premium over a
+        steady one (`resume_scale` − `draft_scale`) this step is charged, 1.0 for all of it;
+        the drafter ran no round in the step before."""
+        scale = self.draft_scale + cold * (self.resume_scale - self.draft_scale)
+        other = num_reqs * self.per_request
+        if self.round_per_request is not None:  # (drafting > 0): 0 or 1, or an array of them
+            other = other + num_reqs * (self.round_per_request - self.per_request) * (drafting > 0)
+        return self.verify_scale * verify + scale * drafting + other
 
 
 class StepTimeFit:
     """Running weighted sums of one kind of step's profiled and measured times."""
 
     def __init__(self) -> None:
-        # [profiled verify, measured verify, profiled drafting, measured drafting, other, R]
-        self._sums = [0.0] * 6
+        # [profiled verify, measured verify, profiled drafting, measured drafting,
+        #  other of steps without a round, their R, other of steps with one, their R]
+        self._sums = [0.0] * 8
         self._resume = [0.0, 0.0]  # [profiled, measured] drafting of rounds after idle steps
         self.fit = Fit()
 
+    @property
+    def knows_drafting(self) -> bool:
+        """Whether a steady drafting round has been measured (else `draft_scale` is a guess)."""
+        return self._sums[2] > 0
+
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
-            verify_seconds: float, draft_seconds: float) -> Fit:
+            verify_seconds: float, draft_seconds: float, steady: bool = True,
+            prefill: bool = False) -> Fit:
         """One step: `verify`, `drafting` its profiled parts; `seconds` its measured end-to-end
-        time, `verify_seconds` and `draft_seconds` the parts spent in those calls."""
+        time, `verify_seconds` and `draft_seconds` the parts spent in those calls. A round that
+        is not `steady` (it first caught up on rows it missed, often cold too) stays out of
+        the drafting scale: its time bounds a steady round's from above, and counted as one
+        (even capped at its profile) it held the scale near 1 where steady rounds ran at 0.52
+        of the profile (1 in flight, T = 1), so a mostly idle budget never found out that
+        speculating steadily paid. `prefill`: the pass also took in prompt tokens, and stays out
+        of the verify scale (see the module's docstring)."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
+        with_round = drafting > 0
+        if not steady:
+            drafting = draft_seconds = 0.0
+        if prefill:
+            verify = verify_seconds = 0.0
+        idle = (0.0, 0.0) if with_round else (other, float(num_reqs))
+        busy = (other, float(num_reqs)) if with_round else (0.0, 0.0)
         new = (verify, min(verify_seconds, MAX_RATIO * verify),
-               drafting, min(draft_seconds, MAX_RATIO * drafting), other, float(num_reqs))
+               drafting, min(draft_seconds, MAX_RATIO * drafting), *idle, *busy)
         self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
         return self._refit()
 
@@ -75,9 +109,13 @@ class StepTimeFit:
         return self._refit()
 
     def _refit(self) -> Fit:
-        pv, mv, pd, md, other_sum, reqs = self._sums
+        pv, mv, pd, md, idle_other, idle_reqs, busy_other, busy_reqs = self._sums
         rp, rm = self._resume
-        self.fit = Fit(mv / pv if pv > 0 else 1.0, md / pd if pd > 0 else 1.0,
-                       other_sum / reqs if reqs > 0 else 0.0, rm / rp if rp > 0 else 1.0)
+        idle = idle_other / idle_reqs if idle_reqs > 0 else None
+        busy = busy_other / busy_reqs if busy_reqs > 0 else None
+        # One kind of step not measured yet: the other's rate serves both.
+        per_request = idle if idle is not None else (busy or 0.0)
+        self.fit = Fit(mv / pv if pv > 0 else 1.0, md / pd if pd > 0 else 1.0, per_request,
+                       rm / rp if rp > 0 else 1.0, busy)
         return self.fit
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,22 +85,22 @@ def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
     from dspark.coordinator.stale_history import SMOOTHING, StaleRow
 
     row = StaleRow()
-    one = torch.full((3,), 0.9, dtype=torch.float64)
-    two = torch.full((3,), 0.1, dtype=torch.float64)
+    one = np.full(3, 0.9)
+    two = np.full(3, 0.1)
     row.push(1, one)
     assert row.value_at(1) is None and row.value_at(2) is None  # not two steps old yet
-    assert torch.equal(row.value_at(3), one)
+    np.testing.assert_array_equal(row.value_at(3), one)
     row.push(4, one)
-    torch.testing.assert_close(row.value_at(6), one, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(row.value_at(6), one, rtol=0, atol=1e-15)
     row.push(5, two)  # the next step's row: weight SMOOTHING
-    torch.testing.assert_close(row.value_at(7), SMOOTHING * two + (1 - SMOOTHING) * one,
+    np.testing.assert_allclose(row.value_at(7), SMOOTHING * two + (1 - SMOOTHING) * one,
                                rtol=0, atol=1e-15)
     before = row.value_at(7)
     row.push(20, one)  # a probe after an idle stretch: readable two steps later, not two pushes
-    assert torch.equal(row.value_at(21), before)
+    np.testing.assert_array_equal(row.value_at(21), before)
     # 15 steps after the row before it, it all but replaces the average (weight 1 − 0.7^15).
     keep = (1 - SMOOTHING) ** 15
-    torch.testing.assert_close(row.value_at(22), (1 - keep) * one + keep * before,
+    np.testing.assert_allclose(row.value_at(22), (1 - keep) * one + keep * before,
                                rtol=0, atol=1e-15)
 
 
@@ -503,7 +504,8 @@ def test_a_cold_round_after_idle_steps_costs_its_measured_resume_scale() -> None
     from dspark.coordinator.scheduler import RoundInFlight
 
     # As if this round had followed idle steps:
-    policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0)
+    policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0,
+                                      decode_tokens=1 + sum(planned))
     policy.observe_time(1.0 + 1.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
     assert policy.time_fit(1).resume_scale == pytest.approx(3.0)
     surv = survivals_of(torch.full((1, 3), 0.6, dtype=torch.float64))
