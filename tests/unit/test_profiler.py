@@ -143,3 +143,26 @@ def test_sampled_batches_read_the_sampled_verify_table_if_profiled() -> None:
     verify, drafting = cost.step_parts(torch.tensor([1, 2]), 1, torch.tensor([0, 0]), True)
     assert verify.tolist() == [1.5, 3.0] and drafting.tolist() == [0.0, 0.0]
     assert CostModel("t", verify=(1.0, 2.0)).verify_time(2, sampled=True) == 2.0  # older profile
+
+
+def test_a_profiled_drafting_round_is_timed_on_its_second_call() -> None:
+    """The profile interleaves sizes, so a round's first call runs cold; the scheduler prices
+    steady rounds (a request that drafts every step) with it."""
+    import time
+
+    from dspark.coordinator.profiler import _round
+
+    class ColdThenWarm:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def propose(self, queries: list) -> None:  # noqa: ANN001
+            self.calls += 1
+            time.sleep(0.05 if self.calls % 2 else 0.001)
+
+        def commit(self, req_id: str, accepted: int) -> None:
+            pass
+
+    proposer = ColdThenWarm()
+    seconds = _round(proposer, ["a"], 1, lambda n: None)()
+    assert proposer.calls == 2 and seconds < 0.02

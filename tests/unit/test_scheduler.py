@@ -8,7 +8,7 @@ import torch
 
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
-from dspark.coordinator.scheduler import make_policy, sorted_slots, survivals_of
+from dspark.coordinator.scheduler import BudgetedPolicy, make_policy, sorted_slots, survivals_of
 from dspark.coordinator.step_time_fit import Fit, StepTimeFit
 from dspark.messages import Drafts, RequestStep, StepState
 
@@ -603,3 +603,86 @@ def test_a_budget_that_drafted_nothing_leaves_the_next_round_cold() -> None:
     policy.plan_verification(d, policy.choose_budget(d))
     policy.draft_lengths([3], ids)
     assert not policy._cold  # this time one did
+
+
+def test_only_steady_rounds_set_the_drafting_scale_and_other_sizes_borrow_it() -> None:
+    fit = StepTimeFit()
+    for _ in range(20):  # rounds that caught up first: 3x their profile, a bound only
+        fit.add(0.01, 0.02, 1, 0.07, 0.01, 0.06, steady=False)
+    assert not fit.knows_drafting and fit.fit.draft_scale == 1.0
+    for _ in range(20):  # steady rounds at half their profile
+        fit.add(0.01, 0.02, 1, 0.02, 0.01, 0.01)
+    assert fit.knows_drafting and fit.fit.draft_scale == pytest.approx(0.5)
+    # Through the policy: a batch size without a steady round reads the nearest size's scale.
+    cost = CostModel("t", verify=(1.0,) * 64, draft=(0.0,) * 8, draft_first=(0.5,) * 8)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    policy._fits[(False, (4).bit_length())] = fit
+    assert policy.time_fit(1, sampled=False).draft_scale == pytest.approx(0.5)
+    assert policy.time_fit(1, sampled=True).draft_scale == 1.0  # another kind of batch
+    own = StepTimeFit()
+    for _ in range(5):
+        own.add(0.01, 0.02, 1, 0.026, 0.01, 0.016)
+    policy._fits[(False, 1)] = own
+    assert policy.time_fit(1, sampled=False).draft_scale == pytest.approx(0.8)
+
+
+def test_prefill_passes_stay_out_of_the_verify_scale() -> None:
+    fit = StepTimeFit()
+    for i in range(60):  # decode passes as profiled; every 6th step prefills at half its profile
+        if i % 6 == 0:
+            fit.add(0.2, 0.0, 1, 0.1, 0.1, 0.0, prefill=True)
+        else:
+            fit.add(0.01, 0.0, 1, 0.01, 0.01, 0.0)
+    assert fit.fit.verify_scale == pytest.approx(1.0)
+    # Through the policy: a pass with more tokens than R + Σ ℓ carried a prompt.
+    cost = CostModel.linear(0.01, 0.001)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    policy.draft_lengths([3], ids)
+    d = skipped_drafts(ids)
+    policy.plan_verification(d, policy.choose_budget(d))
+    profiled = cost.verify_time(200)
+    policy.observe_time(0.5 * profiled, 200, 0.0, 0.5 * profiled)  # a 200-token prompt
+    assert policy.time_fit(1, sampled=False).verify_scale == 1.0
+
+
+def test_other_work_of_steps_with_a_round_is_learned_apart() -> None:
+    fit = StepTimeFit()
+    for i in range(40):  # 1 ms a request without a round, 3 ms with one
+        if i % 2:
+            fit.add(0.01, 0.0, 2, 0.01 + 0.002, 0.01, 0.0)
+        else:
+            fit.add(0.01, 0.02, 2, 0.03 + 0.006, 0.01, 0.02)
+    assert fit.fit.per_request == pytest.approx(0.001)
+    assert fit.fit.round_per_request == pytest.approx(0.003)
+    assert fit.fit.apply(0.01, 0.0, 2) == pytest.approx(0.012)
+    assert fit.fit.apply(0.01, 0.02, 2) == pytest.approx(0.036)
+    many = fit.fit.apply(np.array([0.01, 0.01]), np.array([0.0, 0.02]), 2)
+    np.testing.assert_allclose(many, [0.012, 0.036])
+    only_rounds = StepTimeFit()
+    only_rounds.add(0.01, 0.02, 2, 0.036, 0.01, 0.02)
+    assert only_rounds.fit.per_request == pytest.approx(0.003)  # one rate serves both kinds
+
+
+def test_a_cold_rounds_premium_is_spread_over_the_steps_left() -> None:
+    from dspark.coordinator.scheduler import RoundInFlight
+
+    # Verify 1 s, a steady round 0.5 s, a cold one 1.5 s (resume scale 3). At the prior rates
+    # (survivals .6, .36, .216: 2.18 tokens a step) a lone request with 100 tokens left
+    # resumes (its premium spread over ~46 steps); one with 3 left does not (over 1.4 steps:
+    # Θ = 2.18 / 2.22 against 1, short of the resume margin).
+    def cold_policy() -> BudgetedPolicy:
+        cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
+        policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+        policy.draft_lengths([3], ("a",))
+        d = drafts_of([[0.6] * 3], ("a",))
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0,
+                                          decode_tokens=1 + sum(planned))
+        policy.observe_time(2.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
+        policy._budget, policy._last_round = 0, 0  # no round in step 1: step 2 runs cold
+        return policy
+
+    assert cold_policy().time_fit(1).resume_scale == pytest.approx(3.0)
+    assert cold_policy().draft_lengths([100], ("a",)) == [3]
+    assert cold_policy().draft_lengths([3], ("a",)) == [0]
