@@ -184,8 +184,9 @@ class BudgetedPolicy(Policy):
         share of a step, and leaving it out makes every step look cheaper than it is, so
         speculation (fewer, longer steps) looks worth less; a machine running faster than when
         profiled must not read as negative overhead. One fit serves steps that draft and steps
-        that do not (learning them apart made whichever was less known look cheaper, and the
-        budget swung)."""
+        that do not, with their other work learned apart (learning every part apart made
+        whichever was less known look cheaper, and the budget swung); a pass that also took in
+        a prompt stays out of the verify scale."""
         if self._in_flight is None:
             return
         num_reqs, depth, steady, cold, rows, decode_tokens = self._in_flight
@@ -347,12 +348,10 @@ class BudgetedPolicy(Policy):
         drafted = drafts.num_drafts.tolist()
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
         # A round in which a request drafts for the first time in more than a step first takes
-        # in every row it missed (a whole prompt, or the steps it idled): not the round the
-        # profile timed, only an upper bound on it. `observe_time` counts such a round's time
-        # only up to its profile, or probes would teach the fit that drafting is several times
-        # dearer than it is, and the budget would stay at 0; below its profile it is evidence
-        # that rounds are cheaper, which an idle drafter has no other way to learn.
-        # `_backlog` holds exactly the requests that did not draft in the previous step.
+        # in every row it missed (a whole prompt, or the steps it idled): not the steady round
+        # the profile timed, only an upper bound on it, and it stays out of the drafting scale
+        # (`StepTimeFit.add`); a cold one teaches the resume scale instead. `_backlog` holds
+        # exactly the requests that did not draft in the previous step.
         caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
         self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
                                         self._cold, sum(self._backlog[r] for r in caught_up),
