@@ -256,12 +256,15 @@ class BudgetedPolicy(Policy):
         counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
         if not any(counts):  # an idle step (most steps where speculation does not pay)
             return
-        rates = self.tracker.global_rates()[: self.gamma].numpy()  # [γ] conditional
         a_rj = np.asarray(survivals, dtype=np.float64)
         padded = np.zeros((len(req_ids), self.gamma))
+        rates = None  # [γ] the tracker's conditional rates, read only for a shallow row
         for i, c in enumerate(counts):
             if c > 0:
                 padded[i, :c] = a_rj[i, :c]
+            if 0 < c < self.gamma:
+                if rates is None:
+                    rates = self.tracker.global_rates()[: self.gamma].numpy()
                 padded[i, c:] = a_rj[i, c - 1] * np.cumprod(rates[c:])
         fresh = [c > 0 for c in counts]
         self._last_push = self._steps
@@ -385,8 +388,10 @@ class BudgetedPolicy(Policy):
         starts cold)."""
         stale = self.stale_survivals(req_ids)
         margin = RESUME_MARGIN if self._budget == 0 else 0.0
+        if not (self._cold or self._backlog) or not req_ids:  # steady: no switching cost
+            return self.best_plan(stale, limits, 0.0, margin, 0.0)
         steps = self._steps_left(req_ids, stale)
-        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold and steps else 0.0
+        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold else 0.0
         return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold)
 
     def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> list[float]:
