@@ -78,15 +78,17 @@ class StepTimeFit:
             prefill: bool = False) -> Fit:
         """One step: `verify`, `drafting` its profiled parts; `seconds` its measured end-to-end
         time, `verify_seconds` and `draft_seconds` the parts spent in those calls. A round that
-        is not `steady` (it first caught up on rows it missed, often cold too) stays out of
-        the drafting scale: its time bounds a steady round's from above, and counted as one
-        (even capped at its profile) it held the scale near 1 where steady rounds ran at 0.52
-        of the profile (1 in flight, T = 1), so a mostly idle budget never found out that
-        speculating steadily paid. `prefill`: the pass also took in prompt tokens, and stays out
+        is not `steady` (it first caught up on rows it missed, often cold too) only bounds a
+        steady round's time from above: it enters the drafting scale when it ran faster than
+        profiled (a steady round would have been faster still; an idle drafter has no other
+        way to learn that its profile is too dear), and otherwise stays out. Counted at its
+        profile, as before, it held the scale near 1 where steady rounds ran at 0.52 of the
+        profile (1 in flight, T = 1), so a mostly idle budget never found out that speculating
+        steadily paid. `prefill`: the pass also took in prompt tokens, and stays out
         of the verify scale (see the module's docstring)."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
         with_round = drafting > 0
-        if not steady:
+        if not steady and draft_seconds >= drafting:
             drafting = draft_seconds = 0.0
         if prefill:
             verify = verify_seconds = 0.0

@@ -613,6 +613,10 @@ def test_only_steady_rounds_set_the_drafting_scale_and_other_sizes_borrow_it() -
     for _ in range(20):  # steady rounds at half their profile
         fit.add(0.01, 0.02, 1, 0.02, 0.01, 0.01)
     assert fit.knows_drafting and fit.fit.draft_scale == pytest.approx(0.5)
+    # A catching-up round that still beats its profile bounds a steady one: it counts.
+    faster = StepTimeFit()
+    faster.add(0.01, 0.02, 1, 0.015, 0.01, 0.005, steady=False)
+    assert faster.knows_drafting and faster.fit.draft_scale == pytest.approx(0.25)
     # Through the policy: a batch size without a steady round reads the nearest size's scale.
     cost = CostModel("t", verify=(1.0,) * 64, draft=(0.0,) * 8, draft_first=(0.5,) * 8)
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
