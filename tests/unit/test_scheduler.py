@@ -174,6 +174,23 @@ def test_monotone_fit_pools_outliers_instead_of_propagating_them() -> None:
     assert fit[-1] == 3.0 and fit[0] == 2.0  # the spike pools with its neighbours
 
 
+def test_densely_timed_sizes_are_smoothed_so_no_size_looks_free() -> None:
+    from dspark.coordinator.cost_model import monotone, smooth_dense
+
+    rng = np.random.default_rng(0)
+    grid = list(range(1, 17)) + [24, 32, 40]
+    noisy = [4.0 + 0.25 * g + rng.normal(0, 0.3) for g in grid]  # a CPU: ~linear, noisy
+    pooled = monotone(noisy)
+    assert any(b - a < 1e-12 for a, b in zip(pooled[:16], pooled[1:16]))  # "free" sizes
+    smooth = monotone(smooth_dense(grid, noisy, 16))
+    steps = np.diff(smooth[:16])
+    assert (steps > 0.1).all() and abs(steps.mean() - 0.25) < 0.05  # no size for free
+    assert list(smooth[16:]) == pytest.approx(noisy[16:])  # sparse sizes kept as timed
+    flat_then_rising = [1.0] * 8 + [1.0 + 0.5 * (g - 8) for g in range(9, 17)]  # a GPU
+    np.testing.assert_allclose(smooth_dense(list(range(1, 17)), flat_then_rising, 16),
+                               flat_then_rising, atol=1e-9)
+
+
 def test_vectorised_step_times_equal_scalar_lookup() -> None:
     cost = CostModel("t", verify=(1.0, 1.5, 2.5, 3.0), draft=(0.1, 0.2))
     n = torch.tensor([0, 1, 3, 4, 7])
