@@ -70,7 +70,8 @@ class StepTimeFit:
 
     @property
     def knows_drafting(self) -> bool:
-        """Whether a steady drafting round has been measured (else `draft_scale` is a guess)."""
+        """Whether a drafting round entered the drafting scale (a steady one, or one that beat
+        its profile while catching up); else `draft_scale` is the profile's guess."""
         return self._sums[2] > 0
 
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
