@@ -178,7 +178,9 @@ def smooth_dense(grid: list[int], values: list[float], dense_up_to: int) -> list
         return list(values)
     basis = np.stack([_hat(xs, knots, i) for i in range(len(knots))], axis=1)  # [n, knots]
     coef, *_ = np.linalg.lstsq(basis, np.asarray(values, dtype=np.float64), rcond=None)
-    fitted = basis @ coef
+    # Never below the cheapest size measured: a line through noise can dip under it at an end
+    # (below zero for a per-position cost measured near 0).
+    fitted = np.maximum(basis @ coef, min(values))
     return [float(f) if g <= dense_up_to else v for g, f, v in zip(grid, fitted, values)]
 
 

@@ -189,6 +189,9 @@ def test_densely_timed_sizes_are_smoothed_so_no_size_looks_free() -> None:
     flat_then_rising = [1.0] * 8 + [1.0 + 0.5 * (g - 8) for g in range(9, 17)]  # a GPU
     np.testing.assert_allclose(smooth_dense(list(range(1, 17)), flat_then_rising, 16),
                                flat_then_rising, atol=1e-9)
+    # Regression: a per-position cost measured near 0 came out negative at an end of the line.
+    near_zero = [0.0, 0.0004, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert min(smooth_dense(list(range(1, 9)), near_zero, 8)) >= 0.0
 
 
 def test_vectorised_step_times_equal_scalar_lookup() -> None:
