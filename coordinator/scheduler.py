@@ -352,9 +352,9 @@ class BudgetedPolicy(Policy):
         planned = [min(p, n) for p, n in zip(self._planned, drafted)]
         # A round in which a request drafts for the first time in more than a step first takes
         # in every row it missed (a whole prompt, or the steps it idled): not the steady round
-        # the profile timed, only an upper bound on it, and it stays out of the drafting scale
-        # (`StepTimeFit.add`); a cold one teaches the resume scale instead. `_backlog` holds
-        # exactly the requests that did not draft in the previous step.
+        # the profile timed, only an upper bound on it, which the drafting scale takes only
+        # when it beat its profile (`StepTimeFit.add`); a cold one teaches the resume scale.
+        # `_backlog` holds exactly the requests that did not draft in the previous step.
         caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
         self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
                                         self._cold, sum(self._backlog[r] for r in caught_up),
@@ -384,14 +384,15 @@ class BudgetedPolicy(Policy):
         their backlog: a cost of resuming (or starting) speculation, which a marginal gain does
         not repay. After a step that verified nothing, resuming must gain RESUME_MARGIN: near
         break-even the estimates' errors (a few percent of Θ) would flip the budget between 0
-        and a full round, and each resumption costs more than its profile (a drafter that idled
-        starts cold)."""
+        and a full round. A cold round's premium (`Fit.resume_scale`) is a switching cost like
+        the catch-up, spread over the batch's mean steps left: charged whole to the resuming
+        step, it kept a lone request idle (K = 0 at 1 in flight, T = 1) where steady
+        speculation paid 16%, since a cold round there costs 1.7x a steady one."""
         stale = self.stale_survivals(req_ids)
         margin = RESUME_MARGIN if self._budget == 0 else 0.0
-        if not (self._cold or self._backlog) or not req_ids:  # steady: no switching cost
-            return self.best_plan(stale, limits, 0.0, margin, 0.0)
-        steps = self._steps_left(req_ids, stale)
-        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold else 0.0
+        # Steps left matter only to a switching cost; a steady round has none.
+        steps = self._steps_left(req_ids, stale) if self._cold or self._backlog else []
+        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold and steps else 0.0
         return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold)
 
     def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> list[float]:
@@ -404,11 +405,7 @@ class BudgetedPolicy(Policy):
         """What catching up adds to a drafting round's time, each request's share spread over
         the `steps` it has left to speculate (`_steps_left`): the rows are taken in once and
         serve the rest of the generation, so a long one barely notices its prompt while a
-        request a few tokens from its end does not start a round for them. A cold round's
-        premium (`Fit.resume_scale`) is a switching cost of the same kind, spread over the
-        batch's mean steps left (`budget_before_drafting`): charged whole to the resuming step,
-        it kept a lone request idle (K = 0 at 1 in flight, T = 1) where steady speculation
-        paid 16%, since a cold round there costs 1.7x a steady one."""
+        request a few tokens from its end does not start a round for them."""
         if not self._backlog or self.cost.catch_up == 0:
             return 0.0
         rows = 0.0
