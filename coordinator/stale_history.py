@@ -43,3 +43,50 @@ class StaleRow:
             self.value = old if self.value is None else (1 - keep) * old + keep * self.value
             self._step = pushed
         return self.value
+
+
+CALIBRATION_FORGET = 0.99  # weight kept a step by the budget's calibration: ~100 recent steps
+CALIBRATION_PRIOR = 4.0  # pseudo-drafts at ratio 1: a new engine trusts the stale rows
+
+
+class BudgetCalibration:
+    """How many drafts the target accepted against what the budget's stale survivals predicted
+    for them, over recent steps that verified drafts, per kind of batch (greedy, sampled):
+        ρ = (Σ f^age · accepted + w) / (Σ f^age · predicted + w),
+    w = CALIBRATION_PRIOR, f = CALIBRATION_FORGET, age in steps; a step's prediction is the sum
+    of its n best stale survivals, n the drafts it verified. The budget reads its gain as
+    ρ · Σ top-K stale a.
+
+    The stale rows are unbiased on average, but the budget acts on them: it speculates, and
+    speculates deep, when they happen to be high, and on those steps the text regresses toward
+    its mean (the winner's curse); and the head's high confidences are overconfident on live
+    text. Measured before this correction, realised / stale prediction on the steps that
+    verified drafts: 0.90 at 1 in flight, T = 1; 0.94 at 4, T = 1; 0.88 at 16, T = 0. The
+    ratio is measured on exactly the steps the budget chose, so it absorbs that selection, as
+    `DriftCorrection` does the allocation's. It depends on past steps only, never on the
+    current drafts: the budget stays stale (DESIGN.md §3). It scales the gain, not the
+    survivals, so the order of slots and the prefix rule are untouched.
+
+    The evidence fades by age in steps, not by count: while the budget verifies nothing no new
+    evidence comes, and a ratio learned in a bad stretch must not keep speculation off for good
+    once the stale rows (which probes keep fresh) say the text turned easy.
+    """
+
+    def __init__(self) -> None:
+        self._sums = {kind: [0.0, 0.0] for kind in (False, True)}  # [predicted, accepted]
+        self._step = {kind: 0 for kind in (False, True)}  # the step the sums are aged to
+
+    def ratio(self, sampled: bool, step: int) -> float:
+        """ρ at `step` (no earlier than the last `add`) for greedy (False) or sampled batches."""
+        fade = CALIBRATION_FORGET ** (step - self._step[sampled])
+        predicted, accepted = self._sums[sampled]
+        return (fade * accepted + CALIBRATION_PRIOR) / (fade * predicted + CALIBRATION_PRIOR)
+
+    def add(self, sampled: bool, step: int, predicted: float, accepted: int) -> None:
+        """A step that verified drafts: the stale prediction for them and how many were
+        accepted."""
+        fade = CALIBRATION_FORGET ** (step - self._step[sampled])
+        sums = self._sums[sampled]
+        sums[0] = fade * sums[0] + predicted
+        sums[1] = fade * sums[1] + accepted
+        self._step[sampled] = step
