@@ -33,7 +33,7 @@ import torch
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
-from dspark.coordinator.stale_history import STALE_STEPS, BudgetCalibration, StaleRow
+from dspark.coordinator.stale_history import STALE_STEPS, StaleRow
 from dspark.coordinator.step_time_fit import Fit, StepTimeFit
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, StepState
@@ -112,7 +112,7 @@ class BudgetedPolicy(Policy):
     """Shared machinery: the cost model, confidences, the stale history and the step log."""
 
     def __init__(self, gamma: int, cost: CostModel, tracker: AcceptanceTracker,
-                 a_priori: bool, sequential_drafts: bool, calibrate: bool = True) -> None:
+                 a_priori: bool, sequential_drafts: bool) -> None:
         if gamma < 1:
             raise ValueError(f"k={gamma}: the block size γ must be >= 1")
         self.gamma = gamma
@@ -140,10 +140,6 @@ class BudgetedPolicy(Policy):
         self._in_flight: RoundInFlight | None = None  # the step planned, not yet timed
         self._idle_plan: tuple[tuple[str, ...], int] | None = None  # (batch, step) of a K = 0 plan
         self._last_push = -STALE_STEPS - 1  # the last step that pushed stale rows
-        # Realised against the stale rows' prediction; None: the rows are taken as they are.
-        self._calibration = BudgetCalibration() if calibrate else None
-        self._stale_sorted: np.ndarray | None = None  # [num_slots] this step's stale a, best first
-        self._predicted: float | None = None  # the stale prediction for the drafts in flight
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -211,23 +207,17 @@ class BudgetedPolicy(Policy):
         return self.best_plan(survivals, limits, catch_up, margin)[0]
 
     def best_plan(self, survivals: torch.Tensor, limits: list[int], catch_up: float = 0.0,
-                  margin: float = 0.0, cold: float | None = None, gain: float = 1.0
-                  ) -> tuple[int, int]:
+                  margin: float = 0.0, cold: float | None = None) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
         how many positions the round must draft. A request's j-th slot always follows its
         (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
         positions costs draft_first + (depth − 1)·draft, plus `catch_up` seconds (the rows the
         drafter must take in first), and K = 0 skips the round. A K > 0 must beat K = 0's Θ by
-        `margin` (a fraction) to be chosen. The K slots are expected to yield `gain` · Σ a
-        accepted drafts (`BudgetCalibration`)."""
-        a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
-        return self._best_of_sorted(a, pos, len(limits), catch_up, margin, cold, gain)
-
-    def _best_of_sorted(self, a: np.ndarray, pos: np.ndarray, num_reqs: int, catch_up: float,
-                        margin: float, cold: float | None, gain: float) -> tuple[int, int]:
-        """`best_plan` over slots already sorted (a, j: [num_slots] best first)."""
+        `margin` (a fraction) to be chosen."""
+        num_reqs = len(limits)
         cold = float(self._cold) if cold is None else cold
-        tokens = num_reqs + gain * np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
+        a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
+        tokens = num_reqs + np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
         depths = np.concatenate(([0], np.maximum.accumulate(pos)))  # [K + 1]
         verify, drafting = self.cost.step_parts(
             num_reqs + np.arange(a.size + 1), num_reqs, depths, self._sampled)
@@ -290,7 +280,6 @@ class BudgetedPolicy(Policy):
     ) -> list[int]:
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
-        self._stale_sorted = None
         self._sampled = sampled
         self._steps += 1
         # A request that drafted in the previous step has a steady round's backlog (the
@@ -373,11 +362,6 @@ class BudgetedPolicy(Policy):
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
-        # What the stale rows promised for as many drafts as are verified, for
-        # `BudgetCalibration` once the step's acceptances are known (`observe`).
-        verified = sum(planned)
-        if verified and self._stale_sorted is not None:
-            self._predicted = float(self._stale_sorted[:verified].sum())
         # A round counts when it drafted: a budget for a request whose drafter cannot draft yet
         # (its prompt's rows are still in the target's pass) ran none, and the next is cold.
         if any(drafted):
@@ -387,10 +371,6 @@ class BudgetedPolicy(Policy):
         return planned
 
     def observe(self, step: StepState) -> None:
-        if self._predicted is not None and self._calibration is not None:
-            accepted = sum(s.num_accepted for s in step.requests)
-            self._calibration.add(self._sampled, self._steps, self._predicted, accepted)
-            self._predicted = None
         for s in step.requests:
             if s.finish_reason is not None:
                 self._history.pop(s.req_id, None)
@@ -409,22 +389,16 @@ class BudgetedPolicy(Policy):
         step, it kept a lone request idle (K = 0 at 1 in flight, T = 1) where steady
         speculation paid 16%, since a cold round there costs 1.7x a steady one."""
         stale = self.stale_survivals(req_ids)
-        gain = (self._calibration.ratio(self._sampled, self._steps)
-                if self._calibration is not None else 1.0)
         margin = RESUME_MARGIN if self._budget == 0 else 0.0
         # Steps left matter only to a switching cost; a steady round has none.
-        steps = self._steps_left(req_ids, stale, gain) if self._cold or self._backlog else []
+        steps = self._steps_left(req_ids, stale) if self._cold or self._backlog else []
         cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold and steps else 0.0
-        a, pos = sorted_survivals(stale, limits)  # [num_slots] best first
-        self._stale_sorted = a
-        return self._best_of_sorted(a, pos, len(limits), self._catch_up_seconds(req_ids, steps),
-                                    margin, cold, gain)
+        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold)
 
-    def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor,
-                    gain: float = 1.0) -> list[float]:
-        """Each request's steps left to speculate: its cap over the 1 + gain · Σ a tokens a step
+    def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> list[float]:
+        """Each request's steps left to speculate: its cap over the 1 + Σ a tokens a step
         commits. survivals: [num_reqs, γ] the stale survivals the budget reads."""
-        tokens = (1 + gain * np.asarray(survivals).sum(axis=1)).tolist()  # [num_reqs] a step
+        tokens = (1 + np.asarray(survivals).sum(axis=1)).tolist()  # [num_reqs] tokens a step
         return [self._caps.get(r, 0) / per_step for r, per_step in zip(req_ids, tokens)]
 
     def _catch_up_seconds(self, req_ids: tuple[str, ...], steps: list[float]) -> float:
@@ -517,10 +491,8 @@ _BUDGETED: dict[str, type[BudgetedPolicy]] = {
 
 def make_policy(name: str, k: int, cost: CostModel | None = None,
                 tracker: AcceptanceTracker | None = None, a_priori: bool = True,
-                sequential_drafts: bool = False, calibrate: bool = True) -> Policy:
-    """Build a policy by name; `k` is ℓ for `fixed` and the block size γ for the others.
-    `calibrate`: scale the budget's stale prediction by its realised ratio
-    (`BudgetCalibration`)."""
+                sequential_drafts: bool = False) -> Policy:
+    """Build a policy by name; `k` is ℓ for `fixed` and the block size γ for the others."""
     if name == "off":
         return OffPolicy()
     if name == "fixed":
@@ -529,4 +501,4 @@ def make_policy(name: str, k: int, cost: CostModel | None = None,
         raise ValueError(f"policy={name!r}: choose one of {list(POLICY_NAMES)}")
     if cost is None or tracker is None:
         raise ValueError(f"policy={name!r} needs a cost model and an acceptance tracker")
-    return _BUDGETED[name](k, cost, tracker, a_priori, sequential_drafts, calibrate)
+    return _BUDGETED[name](k, cost, tracker, a_priori, sequential_drafts)

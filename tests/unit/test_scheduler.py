@@ -63,11 +63,7 @@ def step_of(req_ids, planned, accepted, finished: bool = False) -> StepState:
 
 def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
     cost = CostModel.linear(1.0, 0.3)
-    # The budget's calibration would learn from these fabricated rejections (its own test:
-    # `test_budget_calibration_shrinks_a_stale_prediction_the_target_does_not_bear_out`); off
-    # here, the budgets follow the stale rows alone.
-    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False,
-                         calibrate=False)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     ids = ("a",)
     high, low = [[0.95, 0.95, 0.95]], [[0.05, 0.05, 0.05]]
     budgets = []
@@ -83,82 +79,6 @@ def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
     # the average of the rows two steps back and earlier sinks by 0.7 per low row: one unlucky
     # block does not stop speculation, a run of them does.
     assert budgets == [2, 2, 3, 3, 3, 3, 1, 0, 0]
-
-
-def test_budget_calibration_weighs_recent_steps_against_a_prior() -> None:
-    from dspark.coordinator.stale_history import (
-        CALIBRATION_FORGET,
-        CALIBRATION_PRIOR,
-        BudgetCalibration,
-    )
-
-    cal = BudgetCalibration()
-    assert cal.ratio(False, 10) == 1.0 and cal.ratio(True, 10) == 1.0  # the prior alone
-    cal.add(True, 1, predicted=6.0, accepted=3)
-    cal.add(True, 3, predicted=2.0, accepted=2)
-    f, w = CALIBRATION_FORGET, CALIBRATION_PRIOR
-    expected = (f**2 * 3 + 2 + w) / (f**2 * 6 + 2 + w)  # the older step two steps faded
-    assert cal.ratio(True, 3) == pytest.approx(expected, rel=1e-12)
-    assert cal.ratio(False, 3) == 1.0  # greedy batches learn apart
-    # While nothing is verified the evidence fades and the ratio returns toward 1.
-    assert cal.ratio(True, 3) < cal.ratio(True, 100) < cal.ratio(True, 1000) < 1.0
-    assert cal.ratio(True, 2000) == pytest.approx(1.0, abs=1e-6)
-
-
-def _lockstep(policies, conf, accepted_of, steps, ids=("a",)):  # noqa: ANN001, ANN202
-    """Runs the policies side by side on the same drafts; `accepted_of(planned)` fabricates
-    each request's accepted count. Returns each policy's (K, planned) per step."""
-    log = [[] for _ in policies]
-    for _ in range(steps):
-        for policy, out in zip(policies, log):
-            lengths = policy.draft_lengths([64] * len(ids), ids)
-            d = drafts_of(conf, ids) if any(lengths) else skipped_drafts(ids)
-            k = policy.choose_budget(d)
-            planned = policy.plan_verification(d, k)
-            policy.observe(step_of(ids, planned, [accepted_of(p) for p in planned]))
-            out.append((k, tuple(planned)))
-    return log
-
-
-def test_budget_calibration_shrinks_a_stale_prediction_the_target_does_not_bear_out() -> None:
-    # The head says 0.9 a position, the target accepts nothing: uncalibrated, the stale rows
-    # keep promising 2.4 drafts a step and the budget verifies 3 every step.
-    cost = CostModel.linear(1.0, 0.3)
-    calibrated, plain = (make_policy("confidence", 3, cost, AcceptanceTracker(3),
-                                     a_priori=False, calibrate=c) for c in (True, False))
-    log_cal, log_plain = _lockstep((calibrated, plain), [[0.9] * 3], lambda p: 0, 64)
-    budgets = [k for k, _ in log_cal]
-    # The first two steps read the tracker's prior (no row is two steps old yet): K = 2.
-    assert [k for k, _ in log_plain] == [2, 2] + [3] * 62
-    first_idle = budgets.index(0)
-    assert first_idle <= 8  # a few steps of evidence outweigh the prior
-    verified = sum(sum(p) for _, p in log_cal)
-    assert verified < sum(sum(p) for _, p in log_plain) / 3
-    # Not for good: as the evidence fades the budget tries again (and learns again).
-    assert any(budgets[first_idle:])
-    # The ratio is realised over the stale rows' promise for what was verified: nothing here.
-    assert calibrated._calibration.ratio(False, calibrated._steps) < 0.3
-
-
-def test_budget_calibration_leaves_a_borne_out_prediction_alone() -> None:
-    # Every draft accepted at confidence 1: realised equals predicted step by step, also in a
-    # request's first step (its drafter is not ready: the budget's K is positive, nothing is
-    # verified, and nothing may count as predicted), so the decisions match an uncalibrated
-    # policy's exactly.
-    cost = CostModel.linear(1.0, 0.5)
-    calibrated, plain = (make_policy("confidence", 3, cost, AcceptanceTracker(3),
-                                     a_priori=False, calibrate=c) for c in (True, False))
-    ids = ("a", "b")
-    for policy in (calibrated, plain):  # a first step whose drafter drafted nothing
-        policy.draft_lengths([64, 64], ids)
-        d = skipped_drafts(ids)
-        assert policy.choose_budget(d) > 0
-        policy.observe(step_of(ids, policy.plan_verification(d, policy.choose_budget(d)), [0, 0]))
-    log_cal, log_plain = _lockstep((calibrated, plain), [[1.0] * 3] * 2, lambda p: p, 32, ids)
-    assert log_cal == log_plain
-    assert [k for k, _ in log_cal] == [2, 2] + [6] * 30  # first steps: the tracker's prior
-    # Only the two steps planned on the prior (0.6 a position) accepted more than predicted.
-    assert 1.0 < calibrated._calibration.ratio(False, calibrated._steps) < 1.05
 
 
 def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
@@ -669,9 +589,7 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
             d = drafts_of(conf, ids) if any(lengths) else skipped_drafts(ids)
             k = policy.choose_budget(d)
             planned = policy.plan_verification(d, k)
-            # Acceptances as the confidences say (all of an easy block, none of a hard one).
-            accepted = [p if step >= easy_from else 0 for p in planned]
-            policy.observe(step_of(ids, planned, accepted))
+            policy.observe(step_of(ids, planned, [0] * len(ids)))
             decisions[policy is cached].append((step, tuple(lengths), k, tuple(planned)))
     assert decisions[True] == decisions[False]  # the same decisions, step by step
     budgets = {step: k for step, _, k, _ in decisions[True]}
