@@ -195,9 +195,13 @@ class BudgetedPolicy(Policy):
         if cold:
             self._fits.setdefault(key, StepTimeFit()).add_resume(
                 drafting, draft_seconds - self.cost.catch_up_time(rows))
+        # Single-request passes tell the machine's speed apart from the cost per sequence
+        # (`StepTimeFit`): their scale is the prior of larger batches'.
+        alone = self._fits.get((self._sampled, 1))
+        prior = alone.fit.verify_scale if alone is not None and alone.knows_verify else 1.0
         self._fits.setdefault(key, StepTimeFit()).add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds, steady,
-            prefill=num_tokens > decode_tokens)
+            prefill=num_tokens > decode_tokens, prior_scale=prior if num_reqs > 1 else 1.0)
         self._in_flight = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int],

@@ -650,6 +650,56 @@ def test_only_steady_rounds_set_the_drafting_scale_and_other_sizes_borrow_it() -
     assert policy.time_fit(1, sampled=False).draft_scale == pytest.approx(0.8)
 
 
+def test_a_verify_pass_costs_per_sequence_beyond_its_profiled_tokens() -> None:
+    # The profile times one sequence of B tokens; a live pass of R sequences also pays per
+    # sequence. Passes at 0.9x the profile plus 0.6 ms a sequence beyond the first, over
+    # varied batch and pass sizes: both parts come back, and a token costs 0.9x its profile.
+    def profiled(b: int) -> float:
+        return 0.0035 + 0.00016 * b
+
+    fit = StepTimeFit()
+    for i in range(400):
+        r, k = 1 + i % 16, (i * 7) % 40
+        fit.add(profiled(r + k), 0.0, r, 0.0, 0.9 * profiled(r + k) + 0.0006 * (r - 1), 0.0)
+    assert fit.fit.verify_scale == pytest.approx(0.9, rel=0.03)
+    assert fit.fit.verify_per_sequence == pytest.approx(0.0006, rel=0.05)
+    marginal = fit.fit.apply(profiled(16 + 64), 0.0, 16) - fit.fit.apply(profiled(16), 0.0, 16)
+    assert marginal == pytest.approx(0.9 * 64 * 0.00016, rel=0.05)
+    # One batch size and pass size throughout: the two cannot be told apart, and the ridge
+    # gives the scale its prior (single requests' speed) and the rest to the sequences.
+    same = StepTimeFit()
+    for _ in range(200):
+        same.add(profiled(16), 0.0, 16, 0.0, 0.8 * profiled(16) + 0.0006 * 15, 0.0,
+                 prior_scale=0.8)
+    assert same.fit.verify_scale == pytest.approx(0.8, rel=0.02)
+    assert same.fit.verify_per_sequence == pytest.approx(0.0006, rel=0.05)
+
+
+def test_the_cost_per_sequence_does_not_price_speculation_out_of_a_large_batch() -> None:
+    # Regression: one verify scale read a per-sequence cost as a dearer token. Profile: a pass
+    # of B tokens of one sequence 1 + 0.1 B, a drafting round 2 at any depth; live passes of 8
+    # requests cost 1 more per sequence beyond the first (8.8 for 8 tokens). Read as a scale
+    # (8.8 / 1.8 = 4.9: 0.49 a token), no K beats plain decoding at 0.6 a position; per
+    # sequence, a token costs its profiled 0.1 and 8 slots give Θ 12.8 / 11.6 against 8 / 8.8.
+    cost = CostModel("t", verify=tuple(1.0 + 0.1 * b for b in range(1, 65)), draft=(0.0,),
+                     draft_first=(2.0,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = tuple(f"r{i}" for i in range(8))
+    for _ in range(100):  # idle steps: K = 0 passes only
+        policy.draft_lengths([3] * 8, ids)
+        d = skipped_drafts(ids)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        verify = cost.verify_time(8 + sum(planned)) + 1.0 * 7
+        policy.observe_time(verify, 8 + sum(planned), 0.0, verify)
+    fit = policy.time_fit(8)
+    assert fit.verify_scale == pytest.approx(1.0, rel=0.02)
+    assert fit.verify_per_sequence == pytest.approx(1.0, rel=0.02)
+    surv = survivals_of(torch.full((8, 3), 0.6, dtype=torch.float64))
+    assert policy.best_budget(surv, [3] * 8) > 0
+    policy._fits[(False, 4)].fit = Fit(verify_scale=8.8 / 1.8)  # the scale alone, as before
+    assert policy.best_budget(surv, [3] * 8) == 0
+
+
 def test_prefill_passes_stay_out_of_the_verify_scale() -> None:
     fit = StepTimeFit()
     for i in range(60):  # decode passes as profiled; every 6th step prefills at half its profile
