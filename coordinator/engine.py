@@ -364,8 +364,11 @@ class Engine:
         req_ids = tuple(r.req_id for r in reqs)
         sampled = any(r.params.temperature > 0 for r in reqs)
         backlog = [r.num_tokens - self._sent_to_drafter[r.req_id] for r in reqs]
+        # What the pass carries beyond each request's anchor: prompts not yet in the target's
+        # cache (the verify plan sends every uncached committed token).
+        prompt_tokens = sum(r.num_tokens - r.target_length - 1 for r in reqs)
         lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled,
-                                            backlog)
+                                            backlog, prompt_tokens)
         queries = []
         for r, n in zip(reqs, lengths):
             if n == 0:

@@ -700,6 +700,29 @@ def test_the_cost_per_sequence_does_not_price_speculation_out_of_a_large_batch()
     assert policy.best_budget(surv, [3] * 8) == 0
 
 
+@pytest.mark.parametrize("name", ["confidence", "equal"])
+def test_a_step_that_prefills_prices_its_drafts_against_its_whole_pass(name: str) -> None:
+    # Verify 1 + 0.01 B (B the pass's tokens), a drafting round 2. Four requests at 0.6 a
+    # position: in a decode step Θ(0) = 4 / 1.04 beats every K (the round costs twice the
+    # pass). A step whose pass also prefills 600 prompt tokens pays 7.04 whatever it drafts,
+    # and there 4 slots give (4 + 2.4) / 9.08 against 4 / 7.04.
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
+                     draft_first=(2.0,))
+    ids = ("a", "b", "c", "d")
+    conf = [[0.6] * 3] * 4
+    budgets = {}
+    for prompt_tokens in (0, 600):
+        policy = make_policy(name, 3, cost, AcceptanceTracker(3), a_priori=False)
+        policy.draft_lengths([3] * 4, ids, prompt_tokens=prompt_tokens)
+        budgets[prompt_tokens] = policy.choose_budget(drafts_of(conf, ids))
+    assert budgets[0] == 0 and budgets[600] > 0
+    # Algorithm 1 drafts before it decides (the round is in every Θ alike); its Θ too divides
+    # by the whole pass.
+    sync = make_policy("confidence-sync", 3, cost, AcceptanceTracker(3), a_priori=False)
+    sync.draft_lengths([3] * 4, ids, prompt_tokens=600)
+    assert sync.step_time(4, [1, 0, 0, 0], depth=3) == pytest.approx(cost.verify_time(605) + 2.0)
+
+
 def test_prefill_passes_stay_out_of_the_verify_scale() -> None:
     fit = StepTimeFit()
     for i in range(60):  # decode passes as profiled; every 6th step prefills at half its profile
