@@ -293,7 +293,6 @@ class BudgetedPolicy(Policy):
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
         self._sampled = sampled
-        self._prompt_tokens = prompt_tokens
         self._steps += 1
         # A request that drafted in the previous step has a steady round's backlog (the
         # profile's); any other first takes in all it missed.
@@ -301,6 +300,12 @@ class BudgetedPolicy(Policy):
                          if self._last_drafted.get(r) != self._steps - 1}
         self._caps = dict(zip(req_ids, caps))
         self._cold = self._last_round != self._steps - 1
+        # Resuming speculation pays its switching costs (a cold round, the rows to catch up on)
+        # for the steps after it, which decode: a prompt in this step's pass must not be what
+        # makes it resume. Priced against it, a step that prefills resumed (drafts are cheap
+        # beside a prompt) and the next went idle again, paying those costs over and over (4 in
+        # flight, T = 1: 0.84x `off`).
+        self._prompt_tokens = 0 if self._cold else prompt_tokens
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)

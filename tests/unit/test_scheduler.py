@@ -716,6 +716,13 @@ def test_a_step_that_prefills_prices_its_drafts_against_its_whole_pass(name: str
         policy.draft_lengths([3] * 4, ids, prompt_tokens=prompt_tokens)
         budgets[prompt_tokens] = policy.choose_budget(drafts_of(conf, ids))
     assert budgets[0] == 0 and budgets[600] > 0
+    # But a prompt does not resume speculation after a step without a round: the switching
+    # costs are paid for the decode steps that follow, where it does not pay.
+    policy = make_policy(name, 3, cost, AcceptanceTracker(3), a_priori=False)
+    assert policy.draft_lengths([3] * 4, ids) == [0] * 4  # a decode step: no round
+    policy.plan_verification(skipped_drafts(ids), policy.choose_budget(skipped_drafts(ids)))
+    assert policy.draft_lengths([3] * 4, ids, prompt_tokens=600) == [0] * 4
+    assert policy.choose_budget(skipped_drafts(ids)) == 0
     # Algorithm 1 drafts before it decides (the round is in every Θ alike); its Θ too divides
     # by the whole pass.
     sync = make_policy("confidence-sync", 3, cost, AcceptanceTracker(3), a_priori=False)
