@@ -42,7 +42,7 @@ class OraclePolicy(ConfidencePolicy):
     name = "oracle"
 
     def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-                      backlog: list[int] | None = None) -> list[int]:
+                      backlog: list[int] | None = None, prompt_tokens: int = 0) -> list[int]:
         self._planned = None
         return [min(self.gamma, c) for c in caps]
 
