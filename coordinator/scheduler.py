@@ -208,7 +208,7 @@ class BudgetedPolicy(Policy):
         prior = alone.fit.verify_scale if alone is not None and alone.knows_verify else 1.0
         self._fits.setdefault(key, StepTimeFit()).add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds, steady,
-            prefill=num_tokens > decode_tokens, prior_scale=prior if num_reqs > 1 else 1.0)
+            prefill=num_tokens > decode_tokens, prior_scale=prior)
         self._in_flight = None
 
     def best_budget(self, survivals: torch.Tensor, limits: list[int],

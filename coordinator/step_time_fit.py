@@ -5,11 +5,12 @@ measured ≈ verify_scale · profiled verify + (R − 1) · verify_per_sequence
 The profile is taken once; measured steps then differ from it in two ways, and the engine
 times each part of a step, so each is read off that part's calls:
 - scales of the verify calls (fitted with a cost per sequence, below) and, apart, of the
-  drafting calls (Σ measured seconds / Σ profiled seconds). A shared machine (or a GPU at another clock) runs faster or slower than when
-  it was profiled, and not alike for both: the profile's drafting rounds and verify passes
-  cannot match every live batch (contexts, catch-up lengths). A common scale never changes the
-  budget (the argmax of tokens / time is the same), but read as an additive error it would,
-  and a drafting round dearer or cheaper than profiled changes what speculation costs;
+  drafting calls (Σ measured seconds / Σ profiled seconds). A shared machine (or a GPU at
+  another clock) runs faster or slower than when it was profiled, and not alike for both:
+  the profile's drafting rounds and verify passes cannot match every live batch (contexts,
+  catch-up lengths). A common scale never changes the budget (the argmax of tokens / time is
+  the same), but read as an additive error it would, and a drafting round dearer or cheaper
+  than profiled changes what speculation costs;
 - per_request = Σ (seconds − worker seconds) / Σ R: the step's other work (the engine's
   bookkeeping, planning, commit and rollback), about linear in the batch size R, learned apart
   for steps with a drafting round (`round_per_request`: confidences, allocation, more tokens to
@@ -35,10 +36,11 @@ scale down: a step's base looked cheaper, drafting dearer beside it, and a lone 
 where speculation paid.
 
 Sums are exponentially weighted (FORGET^age), so the fit follows a machine whose speed drifts.
-One step counts for at most MAX_RATIO times its profile: a single outlier (an actor's first
-call, a collector pause) cannot set a scale beyond that. No prior pulls a scale toward 1: a
-profile that is far off (a drafting round profiled at 100x its live cost) must be left behind
-within a few steps, or the budget never speculates and never learns otherwise.
+One step counts for at most MAX_RATIO times its prediction (for drafting, its profile): a
+single outlier (an actor's first call, a collector pause) cannot set a scale beyond that. No
+prior pulls the drafting scale toward 1, and the verify scale's (RIDGE) weighs a twentieth of
+the passes: a profile that is far off (a drafting round profiled at 100x its live cost) must be
+left behind within a few steps, or the budget never speculates and never learns otherwise.
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ class Fit:
         steady one (`resume_scale` − `draft_scale`) this step is charged, 1.0 for all of it;
         the drafter ran no round in the step before."""
         scale = self.draft_scale + cold * (self.resume_scale - self.draft_scale)
-        other = num_reqs * self.per_request + max(num_reqs - 1, 0) * self.verify_per_sequence
+        verify = self.verify_scale * verify + max(num_reqs - 1, 0) * self.verify_per_sequence
+        other = num_reqs * self.per_request
         if self.round_per_request is not None:  # (drafting > 0): 0 or 1, or an array of them
             other = other + num_reqs * (self.round_per_request - self.per_request) * (drafting > 0)
-        return self.verify_scale * verify + scale * drafting + other
+        return verify + scale * drafting + other
 
 
 class StepTimeFit:
@@ -125,20 +128,21 @@ class StepTimeFit:
         busy = (other, float(num_reqs)) if with_round else (0.0, 0.0)
         new = (drafting, min(draft_seconds, MAX_RATIO * drafting), *idle, *busy)
         self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
-        r = others
-        moments = (verify * verify, verify * r, r * r, verify * verify_seconds,
-                   r * verify_seconds)
+        moments = (verify * verify, verify * others, others * others, verify * verify_seconds,
+                   others * verify_seconds)
         self._verify = [FORGET * old + x for old, x in zip(self._verify, moments)]
         self._prior_scale = prior_scale
         return self._refit()
 
     def _verify_fit(self) -> tuple[float, float]:
-        """(s, v) of verify ≈ s · profiled + v · (R − 1): least squares over the decode passes, s
-        pulled toward the prior by RIDGE, v >= 0 (a negative cost per sequence would be the
-        scale's share)."""
+        """(s, v) of verify ≈ s · profiled + v · (R − 1): least squares over the decode
+        passes, s pulled toward the prior by RIDGE, v >= 0 (a negative cost per sequence would
+        be the scale's share)."""
         xx, xr, rr, xy, ry = self._verify
         if xx <= 0:
             return 1.0, 0.0
+        if rr <= 0:  # one sequence a pass throughout: nothing to tell apart
+            return xy / xx, 0.0
         a = xx * (1 + RIDGE)
         b = xy + RIDGE * xx * self._prior_scale
         det = a * rr - xr * xr
