@@ -174,6 +174,9 @@ class Engine:
             a_priori=not getattr(self.proposer, "has_confidence_head", False),
             sequential_drafts=getattr(self.proposer, "sequential_drafts", False),
         )
+        # The drafter reads the target's hidden rows of every committed position (DSpark): it
+        # drafts nothing for a request until a target pass has taken in its prompt.
+        self._drafts_from_target = bool(getattr(self.proposer, "hidden_layers", ()))
         self.max_k = k
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
@@ -333,9 +336,8 @@ class Engine:
         lost = take() if take is not None else ()
         # A drafter fed by target hidden states needs them for every committed position, which
         # only a target prefill gives back.
-        needs_target = bool(getattr(self.proposer, "hidden_layers", ()))
         for req_id in lost:
-            self._rebuild(self._running[req_id], target=needs_target)
+            self._rebuild(self._running[req_id], target=self._drafts_from_target)
         if lost:
             logger.info("rebuilt the draft state of %d requests", len(lost))
 
@@ -349,6 +351,10 @@ class Engine:
             self._rebuild(req, target=True)
 
     def _draft_cap(self, req: Request) -> int:
+        # A prompt (or a rebuilt context) in this step's pass has no hidden rows yet: a budget
+        # for its drafts would price slots the drafter cannot fill.
+        if self._drafts_from_target and req.num_tokens - req.target_length > 1:
+            return 0
         # Commit appends at most ℓ + 1 tokens: stay within max_tokens and the context.
         left = req.params.max_tokens - len(req.output_ids)
         return max(0, min(left - 1, self.max_model_len - req.num_tokens - 1))

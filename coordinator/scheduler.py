@@ -218,20 +218,23 @@ class BudgetedPolicy(Policy):
         return self.best_plan(survivals, limits, catch_up, margin)[0]
 
     def best_plan(self, survivals: torch.Tensor, limits: list[int], catch_up: float = 0.0,
-                  margin: float = 0.0, cold: float | None = None) -> tuple[int, int]:
+                  margin: float = 0.0, cold: float | None = None,
+                  prompt_tokens: int | None = None) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
         how many positions the round must draft. A request's j-th slot always follows its
         (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
         positions costs draft_first + (depth − 1)·draft, plus `catch_up` seconds (the rows the
         drafter must take in first), and K = 0 skips the round. A K > 0 must beat K = 0's Θ by
-        `margin` (a fraction) to be chosen."""
+        `margin` (a fraction) to be chosen. The pass also carries `prompt_tokens` (default: this
+        step's)."""
         num_reqs = len(limits)
         cold = float(self._cold) if cold is None else cold
+        prompt_tokens = self._prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
         depths = np.concatenate(([0], np.maximum.accumulate(pos)))  # [K + 1]
         verify, drafting = self.cost.step_parts(
-            num_reqs + self._prompt_tokens + np.arange(a.size + 1), num_reqs, depths,
+            num_reqs + prompt_tokens + np.arange(a.size + 1), num_reqs, depths,
             self._sampled)
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold)  # [K + 1]
         times[1:] += catch_up
@@ -300,12 +303,7 @@ class BudgetedPolicy(Policy):
                          if self._last_drafted.get(r) != self._steps - 1}
         self._caps = dict(zip(req_ids, caps))
         self._cold = self._last_round != self._steps - 1
-        # Resuming speculation pays its switching costs (a cold round, the rows to catch up on)
-        # for the steps after it, which decode: a prompt in this step's pass must not be what
-        # makes it resume. Priced against it, a step that prefills resumed (drafts are cheap
-        # beside a prompt) and the next went idle again, paying those costs over and over (4 in
-        # flight, T = 1: 0.84x `off`).
-        self._prompt_tokens = 0 if self._cold else prompt_tokens
+        self._prompt_tokens = prompt_tokens
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
@@ -405,13 +403,28 @@ class BudgetedPolicy(Policy):
         and a full round. A cold round's premium (`Fit.resume_scale`) is a switching cost like
         the catch-up, spread over the batch's mean steps left: charged whole to the resuming
         step, it kept a lone request idle (K = 0 at 1 in flight, T = 1) where steady
-        speculation paid 16%, since a cold round there costs 1.7x a steady one."""
+        speculation paid 16%, since a cold round there costs 1.7x a steady one.
+
+        Those switching costs are spread over decode steps, so a resuming step is judged as one
+        without its prompt (priced against a prompt, a step that prefilled resumed, the next
+        went idle again, and the costs were paid over and over: 4 in flight, T = 1, 0.84x
+        `off`). But a step whose own pass repays the whole switching costs, charged to it
+        alone, speculates whatever follows: beside a prompt a round is cheap (4 in flight,
+        T = 1: a prefill pass took 40 ms for 4 tokens, 50 ms with drafts for 7.7)."""
         stale = self.stale_survivals(req_ids)
         margin = RESUME_MARGIN if self._budget == 0 else 0.0
         # Steps left matter only to a switching cost; a steady round has none.
         steps = self._steps_left(req_ids, stale) if self._cold or self._backlog else []
-        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if self._cold and steps else 0.0
-        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold)
+        if not self._cold:
+            return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin,
+                                  0.0)
+        cold = 1.0 / max(1.0, sum(steps) / len(steps)) if steps else 0.0
+        plan = self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold,
+                              prompt_tokens=0)
+        if plan[0] or not self._prompt_tokens:
+            return plan
+        alone = [float(left > 0) for left in steps]
+        return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, alone), margin, 1.0)
 
     def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> list[float]:
         """Each request's steps left to speculate: its cap over the 1 + Σ a tokens a step

@@ -203,8 +203,36 @@ def test_an_idle_drafter_is_sent_nothing_until_it_drafts_again(tiny_dspark) -> N
     resumed = sent[5][0]
     req = engine._running["req-0"]
     assert resumed.num_drafts == 3 and resumed.new_hidden is not None
-    # Four idle steps' tokens plus step 1's; their rows plus the prompt's (returned by step 1).
-    assert len(resumed.new_token_ids) == 5 and resumed.new_hidden.shape[0] == 3 + 4
+    # The prompt (step 1 drafts nothing: its prompt is in that pass) and five steps' tokens;
+    # the prompt's rows (returned by step 1) and four steps' rows.
+    assert sent[0][0].num_drafts == 0 and sent[0][0].new_token_ids == ()
+    assert len(resumed.new_token_ids) == 3 + 5 and resumed.new_hidden.shape[0] == 3 + 4
     check_request(engine, "req-0")
     assert engine.proposer.context_length("req-0") + sum(
         r.shape[0] for r in engine._pending_hidden.get("req-0", [])) == req.target_length
+
+
+def test_a_request_whose_prompt_is_in_the_pass_is_planned_no_drafts(tiny_dspark) -> None:
+    """The drafter has no context rows for a prompt the target takes in this step: the policy
+    sees a cap of 0 for it (a budget must not price slots nobody can draft), the others keep
+    theirs, and the next step drafts for it."""
+    target_dir, drafter_dir = tiny_dspark
+    engine = Engine(target_dir, proposer="dspark", drafter=drafter_dir, policy="fixed", k=3)
+    seen: list[list[int]] = []
+    draft_lengths = engine.policy.draft_lengths
+
+    def record(caps: list[int], *args: object, **kwargs: object) -> list[int]:
+        seen.append(list(caps))
+        return draft_lengths(caps, *args, **kwargs)  # type: ignore[arg-type]
+
+    engine.policy.draft_lengths = record  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request([5, 6, 7], params)
+    engine.step()  # req-0's prompt
+    engine.step()
+    engine.add_request([8, 9, 10, 11], params)
+    engine.step()  # req-1's prompt beside req-0's decode
+    last = engine.step()
+    assert seen[0] == [0] and seen[1][0] > 0
+    assert seen[2][0] > 0 and seen[2][1] == 0 and min(seen[3]) > 0
+    assert last is not None and [s.num_drafted for s in last.requests] == [3, 3]

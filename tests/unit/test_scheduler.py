@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -716,13 +718,18 @@ def test_a_step_that_prefills_prices_its_drafts_against_its_whole_pass(name: str
         policy.draft_lengths([3] * 4, ids, prompt_tokens=prompt_tokens)
         budgets[prompt_tokens] = policy.choose_budget(drafts_of(conf, ids))
     assert budgets[0] == 0 and budgets[600] > 0
-    # But a prompt does not resume speculation after a step without a round: the switching
-    # costs are paid for the decode steps that follow, where it does not pay.
-    policy = make_policy(name, 3, cost, AcceptanceTracker(3), a_priori=False)
-    assert policy.draft_lengths([3] * 4, ids) == [0] * 4  # a decode step: no round
-    policy.plan_verification(skipped_drafts(ids), policy.choose_budget(skipped_drafts(ids)))
-    assert policy.draft_lengths([3] * 4, ids, prompt_tokens=600) == [0] * 4
-    assert policy.choose_budget(skipped_drafts(ids)) == 0
+    # After a step without a round, a prompt resumes speculation only when that step alone
+    # repays the switching costs, here the rows each drafter must take in first: 400 a request
+    # at 5 ms a row (8 s) do not pay beside a 7 s pass, though spread over the ~46 steps each
+    # request has left they would. Without a backlog, the same step resumes.
+    cost = replace(cost, catch_up=0.005)
+    for backlog, resumes in ((400, False), (0, True)):
+        policy = make_policy(name, 3, cost, AcceptanceTracker(3), a_priori=False)
+        assert policy.draft_lengths([100] * 4, ids) == [0] * 4  # a decode step: no round
+        policy.plan_verification(skipped_drafts(ids), policy.choose_budget(skipped_drafts(ids)))
+        lengths = policy.draft_lengths([100] * 4, ids, backlog=[backlog] * 4, prompt_tokens=600)
+        assert (sum(lengths) > 0) == resumes, (backlog, lengths)
+        assert (policy.choose_budget(drafts_of(conf, ids)) > 0) == resumes
     # Algorithm 1 drafts before it decides (the round is in every Θ alike); its Θ too divides
     # by the whole pass.
     sync = make_policy("confidence-sync", 3, cost, AcceptanceTracker(3), a_priori=False)
