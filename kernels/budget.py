@@ -52,7 +52,7 @@ def allocate_ref(
 
 def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:
     """Dispatch: skip the sort when the budget takes no slot or every slot; else the numpy
-    sort for CPU tensors (the scheduler's, every step: ~15 µs against the reference's ~80, whose
+    sort for CPU tensors (the scheduler's, every step: ~30 µs against the reference's ~85, whose
     dozen torch ops each cost their dispatch), the torch reference for others."""
     limits = num_drafts.clamp(0, confidences.shape[1])
     if budget <= 0:
