@@ -353,7 +353,7 @@ class Engine:
     def _draft_cap(self, req: Request) -> int:
         # A prompt (or a rebuilt context) in this step's pass has no hidden rows yet: a budget
         # for its drafts would price slots the drafter cannot fill.
-        if self._drafts_from_target and req.num_tokens - req.target_length > 1:
+        if self._drafts_from_target and req.uncached_tokens:
             return 0
         # Commit appends at most ℓ + 1 tokens: stay within max_tokens and the context.
         left = req.params.max_tokens - len(req.output_ids)
@@ -370,11 +370,9 @@ class Engine:
         req_ids = tuple(r.req_id for r in reqs)
         sampled = any(r.params.temperature > 0 for r in reqs)
         backlog = [r.num_tokens - self._sent_to_drafter[r.req_id] for r in reqs]
-        # What the pass carries beyond each request's anchor: prompts not yet in the target's
-        # cache (the verify plan sends every uncached committed token).
-        prompt_tokens = sum(r.num_tokens - r.target_length - 1 for r in reqs)
+        # The pass also carries every uncached committed token (prompts being prefilled).
         lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled,
-                                            backlog, prompt_tokens)
+                                            backlog, sum(r.uncached_tokens for r in reqs))
         queries = []
         for r, n in zip(reqs, lengths):
             if n == 0:

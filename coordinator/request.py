@@ -71,6 +71,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def uncached_tokens(self) -> int:
+        """Committed tokens beyond the anchor that the target has not cached: a prompt (or a
+        rebuilt context) that the next verify pass prefills; 0 for a decoding request."""
+        return self.num_tokens - self.target_length - 1
+
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]

@@ -146,7 +146,7 @@ class StepTimeFit:
         a = xx * (1 + RIDGE)
         b = xy + RIDGE * xx * self._prior_scale
         det = a * rr - xr * xr
-        if det > 1e-12 * a * max(rr, 1e-30):
+        if det > 1e-12 * a * rr:
             s, v = (b * rr - xr * ry) / det, (a * ry - xr * b) / det
             if v >= 0:
                 return s, v
