@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from dspark.messages import Drafts, StepState
@@ -120,8 +121,8 @@ class AcceptanceTracker:
             for q in self._global
         ]
 
-    def global_rates(self) -> torch.Tensor:  # [max_draft]
-        return torch.tensor(self._global_list(), dtype=torch.float64)
+    def global_rates(self) -> np.ndarray:  # [max_draft] float64
+        return np.array(self._global_list())
 
     def rates(self, req_ids: tuple[str, ...] | list[str]) -> torch.Tensor:  # [num_reqs, max_draft]
         # Plain floats, one tensor at the end: this runs every step over every request.

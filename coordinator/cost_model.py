@@ -85,23 +85,27 @@ class CostModel:
         return (self.verify_time(num_tokens, sampled)
                 + self.draft_time(num_reqs, draft_positions, sampled))
 
-    def step_parts(self, num_tokens: ArrayLike, num_reqs: int, draft_positions: ArrayLike,
+    def step_parts(self, num_tokens: int, num_reqs: int, draft_positions: ArrayLike,
                    sampled: bool = False) -> tuple[np.ndarray, np.ndarray]:  # ([n], [n]) float64
-        """(verify, drafting) seconds of many steps at once (num_tokens, draft_positions: [n]
-        int): `verify_time` and `draft_time`, vectorised. numpy, not torch: the budget calls
-        this every step over a few hundred candidates, where each torch op's dispatch (~5 µs)
-        costs more than its arithmetic."""
-        sampled_table = sampled and bool(self.verify_sampled)
-        table = self._verify_sampled_array if sampled_table else self._verify_array
-        verify = _lookup_many(table, np.asarray(num_tokens))
+        """(verify, drafting) seconds of candidate steps i = 0..n−1 that verify `num_tokens` + i
+        tokens and draft `draft_positions[i]` positions ([n] int): the budget's candidates
+        K = 0, 1, ... of one batch. numpy, not torch: the budget calls this every step, where
+        each torch op's dispatch (~5 µs) costs more than its arithmetic; within the profiled
+        range the verify times are a slice of the table."""
+        table = self._verify_sampled_array if sampled and self.verify_sampled else self._verify_array
+        positions = np.asarray(draft_positions)
+        count = positions.shape[0]
+        if num_tokens >= 1 and num_tokens + count - 1 <= table.shape[0]:
+            verify = table[num_tokens - 1:num_tokens - 1 + count]
+        else:
+            verify = _lookup_many(table, num_tokens + np.arange(count))
         first, each = self._draft_costs(num_reqs, sampled)
-        positions = np.maximum(np.asarray(draft_positions), 0).astype(np.float64)
-        drafting = np.where(positions > 0, first + (positions - 1) * each, 0.0)
+        drafting = np.where(positions > 0, positions * each + (first - each), 0.0)
         return verify, drafting
 
-    def step_times(self, num_tokens: ArrayLike, num_reqs: int, draft_positions: ArrayLike,
+    def step_times(self, num_tokens: int, num_reqs: int, draft_positions: ArrayLike,
                    sampled: bool = False) -> np.ndarray:  # [n] float64
-        """`step_time` for many steps at once (num_tokens, draft_positions: [n] int)."""
+        """`step_time` of `step_parts`' candidate steps."""
         verify, drafting = self.step_parts(num_tokens, num_reqs, draft_positions, sampled)
         return verify + drafting
 

@@ -420,9 +420,9 @@ class Engine:
     def _record(self, state: StepState, drafts: Drafts, planned: list[int], start: float) -> None:
         conf = drafts.confidences
         predicted = 0.0
-        if conf is not None and conf.numel():
-            surv = survivals_of(conf)
-            predicted = float(sum(surv[i, :n].sum() for i, n in enumerate(planned)))
+        if conf is not None and any(planned):
+            rows = survivals_of(conf).tolist()  # [num_reqs][width]: plain floats, a few a request
+            predicted = sum(sum(row[:n]) for row, n in zip(rows, planned, strict=True))
         accepted = sum(s.num_accepted for s in state.requests)
         st = self.stats
         st.steps += 1

@@ -63,7 +63,7 @@ class Slot:
     pos: int  # draft position j, 1-based
 
 
-def sorted_slots(survivals: torch.Tensor, limits: list[int]) -> list[Slot]:
+def sorted_slots(survivals: np.ndarray, limits: list[int]) -> list[Slot]:
     """Every admissible (r, j), best first: key (−a, j, r). survivals: [num_reqs, max_draft]."""
     slots = [
         Slot(float(survivals[r, j]), r, j + 1)
@@ -74,7 +74,7 @@ def sorted_slots(survivals: torch.Tensor, limits: list[int]) -> list[Slot]:
     return slots
 
 
-def sorted_survivals(survivals: torch.Tensor, limits: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def sorted_survivals(survivals: np.ndarray, limits: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(a, j) of every admissible slot, best first by key (−a, j, r): each [num_slots]. numpy:
     this runs every step, on arrays small enough that torch's per-op dispatch would dominate."""
     a_rj = np.asarray(survivals, dtype=np.float64)  # [num_reqs, width]
@@ -104,8 +104,14 @@ def probe_interval(num_reqs: int, idle_probes: int = 0) -> int:
     return min(PROBE_MAX_GAP, base << min(idle_probes, 8))
 
 
-def survivals_of(confidences: torch.Tensor) -> torch.Tensor:  # [num_reqs, max_draft]
-    return torch.cumprod(confidences.to(torch.float64).clamp(0.0, 1.0), dim=1)
+def survivals_of(confidences: torch.Tensor | np.ndarray) -> np.ndarray:  # [num_reqs, max_draft]
+    """Survivals a_j = c_1···c_j (float64) of conditional confidences [num_reqs, max_draft].
+    numpy, as everything the budget reads: the policy runs every step on a few dozen floats a
+    request, where torch's per-op dispatch (and torch-numpy conversions) cost more than the
+    arithmetic, worse right after a forward pass has flushed the caches."""
+    if isinstance(confidences, torch.Tensor):
+        confidences = confidences.detach().cpu().numpy()
+    return np.cumprod(np.clip(confidences.astype(np.float64, copy=False), 0.0, 1.0), axis=1)
 
 
 class BudgetedPolicy(Policy):
@@ -123,6 +129,7 @@ class BudgetedPolicy(Policy):
         self._history: dict[str, StaleRow] = {}
         self._global_history = StaleRow()
         self._budget = 0
+        self._idle = True  # the last step's budget before drafting was K = 0 (probes included)
         self._planned: list[int] | None = None
         self._sampled = False  # this step's batch samples: drafting costs the sampled tables
         # This step's pass carries these tokens beyond one a request (prompts being prefilled):
@@ -211,22 +218,24 @@ class BudgetedPolicy(Policy):
             prefill=num_tokens > decode_tokens, prior_scale=prior)
         self._in_flight = None
 
-    def best_budget(self, survivals: torch.Tensor, limits: list[int],
+    def best_budget(self, survivals: np.ndarray, limits: list[int],
                     catch_up: float = 0.0, margin: float = 0.0) -> int:
         """K maximising (R + Σ top-K a) / step_time, a global argmax over K (the smallest K on
         ties). Vectorised over K: it runs every step over up to R·γ slots."""
         return self.best_plan(survivals, limits, catch_up, margin)[0]
 
-    def best_plan(self, survivals: torch.Tensor, limits: list[int], catch_up: float = 0.0,
+    def best_plan(self, survivals: np.ndarray, limits: list[int], catch_up: float = 0.0,
                   margin: float = 0.0, cold: float | None = None,
-                  prompt_tokens: int | None = None) -> tuple[int, int]:
+                  prompt_tokens: int | None = None, drafted: int | None = None
+                  ) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and the deepest draft position among its K slots, i.e.
         how many positions the round must draft. A request's j-th slot always follows its
         (j−1)-th, so the depth of the first K slots is a running max of j; a round of that many
         positions costs draft_first + (depth − 1)·draft, plus `catch_up` seconds (the rows the
         drafter must take in first), and K = 0 skips the round. A K > 0 must beat K = 0's Θ by
         `margin` (a fraction) to be chosen. The pass also carries `prompt_tokens` (default: this
-        step's)."""
+        step's). A round that drafts `drafted` positions whatever K is (a probe's) has that
+        round and `catch_up` in every K's time, K = 0's too."""
         num_reqs = len(limits)
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self._prompt_tokens if prompt_tokens is None else prompt_tokens
@@ -234,33 +243,32 @@ class BudgetedPolicy(Policy):
         tokens = num_reqs + np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
         depths = np.concatenate(([0], np.maximum.accumulate(pos)))  # [K + 1]
         verify, drafting = self.cost.step_parts(
-            num_reqs + prompt_tokens + np.arange(a.size + 1), num_reqs, depths,
-            self._sampled)
+            num_reqs + prompt_tokens, num_reqs,
+            depths if drafted is None else np.full_like(depths, drafted), self._sampled)
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold)  # [K + 1]
-        times[1:] += catch_up
+        times[0 if drafted else 1:] += catch_up
         theta = tokens / times
         best = int(np.argmax(theta))  # the first maximum: the smallest K on ties
         if best and theta[best] < (1 + margin) * theta[0]:
             best = 0
         return best, int(depths[best])
 
-    def stale_survivals(self, req_ids: tuple[str, ...]) -> torch.Tensor:  # [num_reqs, γ]
+    def stale_survivals(self, req_ids: tuple[str, ...]) -> np.ndarray:  # [num_reqs, γ]
         """Survivals from two steps back and before (`StaleRow`): the request's own, else the
         batch means', else the tracker's global rates (its documented prior for a new
-        deployment). None of these can depend on the current step's drafts. The rows are numpy
-        (as in `best_plan`: a few dozen floats a request, every step)."""
+        deployment). None of these can depend on the current step's drafts."""
         fallback = self._global_history.value_at(self._steps)
         if fallback is None:
-            fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0].numpy()
+            fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
         rows = []
         for r in req_ids:
             own = self._history[r].value_at(self._steps) if r in self._history else None
             rows.append(own if own is not None else fallback)
         if not rows:
-            return torch.zeros(0, self.gamma, dtype=torch.float64)
-        return torch.from_numpy(np.stack(rows))
+            return np.zeros((0, self.gamma))
+        return np.stack(rows)
 
-    def _remember(self, req_ids: tuple[str, ...], survivals: torch.Tensor,
+    def _remember(self, req_ids: tuple[str, ...], survivals: np.ndarray,
                   counts: list[int] | None = None) -> None:
         """Push each request's survival row (`counts[i]` drafted positions; None: all γ) into
         its history (and the batch mean into the global one). A row drafted to depth d < γ is
@@ -271,7 +279,7 @@ class BudgetedPolicy(Policy):
         counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
         if not any(counts):  # an idle step (most steps where speculation does not pay)
             return
-        a_rj = np.asarray(survivals, dtype=np.float64)
+        a_rj = survivals
         padded = np.zeros((len(req_ids), self.gamma))
         rates = None  # [γ] the tracker's conditional rates, read only for a shallow row
         for i, c in enumerate(counts):
@@ -279,14 +287,14 @@ class BudgetedPolicy(Policy):
                 padded[i, :c] = a_rj[i, :c]
             if 0 < c < self.gamma:
                 if rates is None:
-                    rates = self.tracker.global_rates()[: self.gamma].numpy()
+                    rates = self.tracker.global_rates()[: self.gamma]
                 padded[i, c:] = a_rj[i, c - 1] * np.cumprod(rates[c:])
         fresh = [c > 0 for c in counts]
         self._last_push = self._steps
         for r, row, ok in zip(req_ids, padded, fresh):
             if ok:
                 self._history.setdefault(r, StaleRow()).push(self._steps, row)
-        self._global_history.push(self._steps, padded[fresh].mean(axis=0))
+        self._global_history.push(self._steps, padded[fresh].sum(axis=0) / sum(fresh))
 
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
@@ -307,6 +315,7 @@ class BudgetedPolicy(Policy):
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
             self._budget, self._planned = self.plan_from(req_ids, conf, limits)
+            self._idle = self._budget == 0
             # Remember the whole γ-long rows, not only what gets drafted: a step that verifies
             # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
             self._remember(req_ids, survivals_of(conf))
@@ -317,7 +326,8 @@ class BudgetedPolicy(Policy):
             self._budget, depth = self.budget_before_drafting(req_ids, limits)
             # Kept only when made as every later idle step's would be: cold, with the margin.
             self._idle_plan = (req_ids, self._steps) if self._budget == 0 and self._cold else None
-        if self._budget > 0 or self.sequential_drafts:
+        self._idle = self._budget == 0
+        if not self._idle or self.sequential_drafts:
             self._idle_probes = 0
             # Draft no deeper than the budget's slots reach: a deeper position costs its share of
             # the round and would not be admitted.
@@ -329,7 +339,22 @@ class BudgetedPolicy(Policy):
             return [0] * len(limits)
         self._idle_probes += 1
         probed = self._probed(req_ids)
-        return [n if i in probed else 0 for i, n in enumerate(limits)]
+        drafts = [n if i in probed else 0 for i, n in enumerate(limits)]
+        self._budget = self.probe_budget(req_ids, drafts)
+        return drafts
+
+    def probe_budget(self, req_ids: tuple[str, ...], drafts: list[int]) -> int:
+        """K for a probe's round (`drafts` positions per request, 0 for those not probed). Its
+        drafting is paid whatever gets verified, so K is chosen as for any step (stale survivals,
+        the argmax of Θ) with the round's cost, catch-up included, in every K's time, K = 0's
+        too; the slots then go to the current survivals as in any step, so the probe stays
+        lossless. Probes used to verify nothing: at 1 in flight, T = 1, ~16 ms for the one token
+        an idle step makes in 5. The step still counts as idle (`_idle`): verifying a probe's
+        drafts is not a decision to speculate."""
+        rows = sum(self._backlog.get(r, 0) for r, n in zip(req_ids, drafts, strict=True) if n)
+        catch_up = self.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
+        return self.best_plan(self.stale_survivals(req_ids), drafts, catch_up,
+                              drafted=max(drafts, default=0))[0]
 
     def _idle_plan_holds(self, req_ids: tuple[str, ...]) -> bool:
         """Whether the last plan's K = 0 still stands without planning again: the same batch,
@@ -338,7 +363,7 @@ class BudgetedPolicy(Policy):
         backlogs only grow while nothing drafts, and either can only lower a K > 0's Θ; the
         step-time fit drifts, and is read again at least every PROBE_EVERY steps. Planning is
         ~30 small array operations, 0.1–0.2 ms a step on a CPU: 2–3% of an idle step here."""
-        if self._idle_plan is None or self._budget != 0:
+        if self._idle_plan is None or not self._idle:
             return False
         batch, planned_at = self._idle_plan
         return (batch == req_ids and self._last_push <= planned_at - STALE_STEPS
@@ -412,7 +437,7 @@ class BudgetedPolicy(Policy):
         alone, speculates whatever follows: beside a prompt a round is cheap (4 in flight,
         T = 1: a prefill pass took 40 ms for 4 tokens, 50 ms with drafts for 7.7)."""
         stale = self.stale_survivals(req_ids)
-        margin = RESUME_MARGIN if self._budget == 0 else 0.0
+        margin = RESUME_MARGIN if self._idle else 0.0
         # Steps left matter only to a switching cost; a steady round has none.
         steps = self._steps_left(req_ids, stale) if self._cold or self._backlog else []
         if not self._cold:
@@ -426,7 +451,7 @@ class BudgetedPolicy(Policy):
         alone = [float(left > 0) for left in steps]
         return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, alone), margin, 1.0)
 
-    def _steps_left(self, req_ids: tuple[str, ...], survivals: torch.Tensor) -> list[float]:
+    def _steps_left(self, req_ids: tuple[str, ...], survivals: np.ndarray) -> list[float]:
         """Each request's steps left to speculate: its cap over the 1 + Σ a tokens a step
         commits. survivals: [num_reqs, γ] the stale survivals the budget reads."""
         tokens = (1 + np.asarray(survivals).sum(axis=1)).tolist()  # [num_reqs] tokens a step

@@ -5,6 +5,7 @@ size, monotone, positive, persisted and reloaded exactly, scratch requests relea
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,10 +64,10 @@ def test_drafting_round_cost_first_position_then_each_and_sampled_tables() -> No
     assert cost.draft_time(2, 1) == pytest.approx(0.6)
     assert cost.draft_time(2, 3) == pytest.approx(0.6 + 2 * 0.2)
     assert cost.draft_time(1, 3, sampled=True) == pytest.approx(0.9 + 2 * 0.3)
-    n, pos = torch.tensor([1, 2, 3, 5]), torch.tensor([0, 1, 2, 4])
+    pos = np.array([0, 1, 2, 4])
     for sampled in (False, True):
-        expected = [cost.step_time(int(b), 2, int(p), sampled) for b, p in zip(n, pos)]
-        assert cost.step_times(n, 2, pos, sampled).tolist() == pytest.approx(expected)
+        expected = [cost.step_time(1 + i, 2, int(p), sampled) for i, p in enumerate(pos)]
+        assert cost.step_times(1, 2, pos, sampled).tolist() == pytest.approx(expected)
     # A forward-only profile (no draft_first) keeps the old meaning: positions x per position.
     old = CostModel("t", verify=(1.0,), draft=(0.1, 0.2))
     assert old.draft_time(2, 3) == pytest.approx(0.6)
@@ -140,7 +141,7 @@ def test_sampled_batches_read_the_sampled_verify_table_if_profiled() -> None:
     cost = CostModel("t", verify=(1.0, 2.0), verify_sampled=(1.5, 3.0))
     assert cost.verify_time(2) == 2.0 and cost.verify_time(2, sampled=True) == 3.0
     assert cost.step_time(2, 1, 0, sampled=True) == 3.0
-    verify, drafting = cost.step_parts(torch.tensor([1, 2]), 1, torch.tensor([0, 0]), True)
+    verify, drafting = cost.step_parts(1, 1, [0, 0], True)
     assert verify.tolist() == [1.5, 3.0] and drafting.tolist() == [0.0, 0.0]
     assert CostModel("t", verify=(1.0, 2.0)).verify_time(2, sampled=True) == 2.0  # older profile
 

@@ -134,7 +134,7 @@ def test_tracker_counts_conditional_acceptance() -> None:
     assert (q[0].reached, q[0].accepted) == (1, 1)
     assert (q[1].reached, q[1].accepted) == (1, 0)
     assert q[2].reached == 0
-    assert torch.all(survivals_of(tracker.rates(("r", "new"))) <= 1)
+    assert (survivals_of(tracker.rates(("r", "new"))) <= 1).all()
 
 
 def test_unknown_policy_and_missing_cost_are_refused() -> None:
@@ -198,10 +198,11 @@ def test_densely_timed_sizes_are_smoothed_so_no_size_looks_free() -> None:
 
 def test_vectorised_step_times_equal_scalar_lookup() -> None:
     cost = CostModel("t", verify=(1.0, 1.5, 2.5, 3.0), draft=(0.1, 0.2))
-    n = torch.tensor([0, 1, 3, 4, 7])
-    pos = torch.tensor([0, 1, 2, 3, 4])
-    expected = [cost.step_time(int(b), 2, int(p)) for b, p in zip(n, pos)]
-    assert cost.step_times(n, 2, pos).tolist() == pytest.approx(expected)
+    pos = [0, 1, 2, 3, 4, 0, 2]
+    # Candidates verify n, n + 1, ... tokens: from nothing, inside the table, and past it.
+    for n in (0, 1, 2, 3, 9):
+        expected = [cost.step_time(n + i, 2, p) for i, p in enumerate(pos)]
+        assert cost.step_times(n, 2, pos).tolist() == pytest.approx(expected)
 
 
 def skipped_drafts(ids: tuple[str, ...]) -> Drafts:
@@ -233,6 +234,37 @@ def test_parallel_drafter_skips_its_round_when_the_budget_is_zero_but_probes() -
     assert probes == [every, 3 * every, 7 * every]
     assert probe_interval(2, idle_probes=2) == 4 * every
     assert all(lengths == [3, 3] for lengths in asked if any(lengths))  # 2 <= PROBE_REQUESTS
+
+
+def test_a_probe_verifies_its_drafts_when_its_paid_round_makes_that_worth_it() -> None:
+    # Verify 1 s + 0.3 s a token beyond the first, a drafting round 2 s; two requests at the
+    # prior rates (0.6 a position: survivals .6, .36, .216). Speculating does not repay the
+    # round: at best 4.35 tokens in 5.1 s against 2 in 1.3 s. But a probe's round is paid
+    # whatever it verifies, and beside it two slots per request gain (3.92 tokens in 4.5 s
+    # against 2 in 3.3 s), while the third does not (4.35 in 5.1 s).
+    from dspark.coordinator.scheduler import probe_interval
+
+    cost = CostModel("t", verify=tuple(1.0 + 0.3 * b for b in range(16)), draft=(0.0,),
+                     draft_first=(2.0,))
+    ids = ("a", "b")
+    for live in (0.05, 0.99):  # the probe's K is the same whatever its drafts' confidences
+        policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+        budgets, lengths = [], []
+        for _ in range(probe_interval(2)):
+            lengths.append(policy.draft_lengths([3, 3], ids))
+            d = drafts_of([[live] * 3] * 2, ids) if any(lengths[-1]) else skipped_drafts(ids)
+            budgets.append(policy.choose_budget(d))
+            planned = policy.plan_verification(d, budgets[-1])
+            assert policy._idle  # a probe that verifies is still an idle step
+        assert lengths[-1] == [3, 3] and not any(map(any, lengths[:-1]))  # the probe
+        assert budgets == [0] * (len(budgets) - 1) + [4]
+        assert planned == [2, 2]  # the slots: each request's first two drafts
+    # Probes that make verifying not worth it even beside a paid round verify nothing.
+    dear = CostModel("t", verify=tuple(1.0 + 5.0 * b for b in range(16)), draft=(0.0,),
+                     draft_first=(2.0,))
+    policy = make_policy("confidence", 3, dear, AcceptanceTracker(3), a_priori=False)
+    assert policy.probe_budget(ids, [3, 3]) == 0
+    assert policy.probe_budget(ids, [0, 0]) == 0  # nothing drafted: nothing to verify
 
 
 def test_probes_of_a_large_batch_take_a_few_requests_in_turn() -> None:
@@ -284,7 +316,7 @@ def test_rows_without_drafts_leave_the_history_alone() -> None:
     from dspark.coordinator.stale_history import SMOOTHING
 
     high, mid = (survivals_of(torch.tensor([[c] * 3], dtype=torch.float64))[0] for c in (0.95, 0.5))
-    torch.testing.assert_close(policy.stale_survivals(ids)[0],
+    np.testing.assert_allclose(policy.stale_survivals(ids)[0],
                                SMOOTHING * mid + (1 - SMOOTHING) * high, rtol=0, atol=1e-12)
 
 
@@ -381,8 +413,8 @@ def test_a_shallow_row_is_continued_with_the_realised_rates_not_zeros() -> None:
         skipped = skipped_drafts(ids)
         policy.plan_verification(skipped, policy.choose_budget(skipped))
     g = tracker.global_rates()  # nothing observed: the prior, 0.6 per position
-    expected = torch.tensor([0.9, 0.72, 0.72 * g[2], 0.72 * g[2] * g[3]], dtype=torch.float64)
-    torch.testing.assert_close(policy.stale_survivals(ids)[0], expected, rtol=0, atol=1e-12)
+    expected = [0.9, 0.72, 0.72 * g[2], 0.72 * g[2] * g[3]]
+    np.testing.assert_allclose(policy.stale_survivals(ids)[0], expected, rtol=0, atol=1e-12)
 
 
 def test_step_time_fit_is_kept_per_kind_of_batch_and_follows_a_faster_machine() -> None:
@@ -567,6 +599,13 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
             super().__init__(3, cost, AcceptanceTracker(3), a_priori=False,
                              sequential_drafts=False)
             self.replan, self.planned_at, self.probed_at = replan, [], []
+            self.idle_at: set[int] = set()  # steps whose budget before drafting was K = 0
+
+        def draft_lengths(self, caps, req_ids, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+            lengths = super().draft_lengths(caps, req_ids, *args, **kwargs)
+            if self._idle:
+                self.idle_at.add(self._steps)
+            return lengths
 
         def budget_before_drafting(self, req_ids, limits):  # noqa: ANN001, ANN201
             self.planned_at.append(self._steps)
@@ -596,7 +635,8 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
     assert decisions[True] == decisions[False]  # the same decisions, step by step
     budgets = {step: k for step, _, k, _ in decisions[True]}
     probes = cached.probed_at
-    assert len(probes) >= 3 and all(budgets[p] == 0 for p in probes)
+    # Probes come only in idle steps (their own K prices a round that is paid: `probe_budget`).
+    assert len(probes) >= 3 and all(p in cached.idle_at for p in probes)
     # The first probe into easy text resumes speculation once its rows are two steps old.
     resumed = min(p for p in probes if p >= easy_from) + 2
     assert all(budgets[s] > 0 for s in range(resumed, steps + 1))
