@@ -88,3 +88,33 @@ def test_rayservice_serves_the_same_command_line() -> None:
     app = serve["applications"][0]
     assert app["import_path"].startswith("dspark.")
     assert "--address auto" in app["args"]["serve_args"]
+
+
+def _serve_command(name: str) -> str:
+    """The `dspark serve` arguments each manifest runs the coordinator with."""
+    if name == "rayservice.yaml":
+        doc = next(d for d in _docs(name) if d["kind"] == "RayService")
+        return yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]["serve_args"]
+    doc = next(d for d in _docs(name) if d["kind"] == "RayCluster")
+    script = doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
+    line = script.replace("\\\n", " ").split("exec dspark serve", 1)[1].splitlines()[0]
+    return line.replace('"$POD_IP"', "10.0.0.5")
+
+
+@pytest.mark.parametrize("name,kind", [("raycluster.yaml", "RayCluster"),
+                                       ("rayservice.yaml", "RayService")])
+def test_kuberay_grpc_api_asks_for_a_token_from_a_private_secret(name: str, kind: str) -> None:
+    from dspark.coordinator.serve_app import parse_serve_args
+
+    cfg = parse_serve_args(_serve_command(name))  # the real `dspark serve` flags
+    assert cfg.auth_token_file is not None
+    head = _cluster_spec(next(d for d in _docs(name) if d["kind"] == kind))["headGroupSpec"]
+    pod = head["template"]["spec"]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mount = next(m for m in mounts.values()
+                 if cfg.auth_token_file.startswith(m["mountPath"].rstrip("/") + "/"))
+    secret = volumes[mount["name"]]["secret"]  # a Secret, never a token in the manifest
+    assert mount["readOnly"] is True
+    assert secret["secretName"] and secret["defaultMode"] == 0o400  # the server warns otherwise
+    assert cfg.auth_token_file.rsplit("/", 1)[1] == "token"  # the key the docs create
