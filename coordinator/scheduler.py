@@ -151,7 +151,8 @@ class BudgetedPolicy(Policy):
         self._caps: dict[str, int] = {}
         self._cold = True  # this step's round follows a step without one (`Fit.resume_scale`)
         self._in_flight: RoundInFlight | None = None  # the step planned, not yet timed
-        self._idle_plan: tuple[tuple[str, ...], int] | None = None  # (batch, step) of a K = 0 plan
+        # (batch, step, limits) of a K = 0 plan (`_idle_plan_holds`)
+        self._idle_plan: tuple[tuple[str, ...], int, list[int]] | None = None
         self._last_push = -STALE_STEPS - 1  # the last step that pushed stale rows
 
     # --- cost --------------------------------------------------------------------------------
@@ -320,12 +321,13 @@ class BudgetedPolicy(Policy):
             # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
             self._remember(req_ids, survivals_of(conf))
             return list(self._planned)
-        if self._idle_plan_holds(req_ids):
+        if self._idle_plan_holds(req_ids, limits):
             self._budget, depth = 0, 0
         else:
             self._budget, depth = self.budget_before_drafting(req_ids, limits)
             # Kept only when made as every later idle step's would be: cold, with the margin.
-            self._idle_plan = (req_ids, self._steps) if self._budget == 0 and self._cold else None
+            idle = self._budget == 0 and self._cold
+            self._idle_plan = (req_ids, self._steps, limits) if idle else None
         self._idle = self._budget == 0
         if not self._idle or self.sequential_drafts:
             self._idle_probes = 0
@@ -356,18 +358,25 @@ class BudgetedPolicy(Policy):
         return self.best_plan(self.stale_survivals(req_ids), drafts, catch_up,
                               drafted=max(drafts, default=0))[0]
 
-    def _idle_plan_holds(self, req_ids: tuple[str, ...]) -> bool:
+    def _idle_plan_holds(self, req_ids: tuple[str, ...], limits: list[int]) -> bool:
         """Whether the last plan's K = 0 still stands without planning again: the same batch,
-        no stale row became readable since (they change only after a probe or a round), and
-        fewer than PROBE_EVERY steps ago. Of the other inputs, the caps only shrink and the
-        backlogs only grow while nothing drafts, and either can only lower a K > 0's Θ; the
-        step-time fit drifts, and is read again at least every PROBE_EVERY steps. Planning is
-        ~30 small array operations, 0.1–0.2 ms a step on a CPU: 2–3% of an idle step here."""
+        no request allowed more drafts than then, no stale row readable since (they change
+        only after a probe or a round), and fewer than PROBE_EVERY steps ago. Of the other
+        inputs, the backlogs only grow while nothing drafts, which can only lower a K > 0's Θ;
+        the step-time fit drifts, and is read again at least every PROBE_EVERY steps. Planning
+        is ~30 small array operations, 0.1–0.2 ms a step on a CPU: 2–3% of an idle step here.
+
+        The limits must be compared: a request whose prompt is in the pass may draft nothing
+        (`Engine._draft_cap`), so the step that prefills a batch plans K = 0 for want of slots,
+        and without the check that plan held through the next PROBE_EVERY decode steps (4
+        prompts started together: 14 idle steps of ~30, speculation 1.03x the target alone
+        where fixed k = 3 ran at 1.2x)."""
         if self._idle_plan is None or not self._idle:
             return False
-        batch, planned_at = self._idle_plan
+        batch, planned_at, planned_limits = self._idle_plan
         return (batch == req_ids and self._last_push <= planned_at - STALE_STEPS
-                and self._steps - planned_at < PROBE_EVERY)
+                and self._steps - planned_at < PROBE_EVERY
+                and all(n <= p for n, p in zip(limits, planned_limits, strict=True)))
 
     def _probed(self, req_ids: tuple[str, ...]) -> set[int]:
         """The PROBE_REQUESTS rows a probe drafts: those drafted most recently (their drafter

@@ -611,8 +611,8 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
             self.planned_at.append(self._steps)
             return super().budget_before_drafting(req_ids, limits)
 
-        def _idle_plan_holds(self, req_ids: tuple[str, ...]) -> bool:
-            return False if self.replan else super()._idle_plan_holds(req_ids)
+        def _idle_plan_holds(self, req_ids: tuple[str, ...], limits: list[int]) -> bool:
+            return False if self.replan else super()._idle_plan_holds(req_ids, limits)
 
         def _probed(self, req_ids: tuple[str, ...]) -> set[int]:
             self.probed_at.append(self._steps)
@@ -648,6 +648,35 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
     assert joins in cached.planned_at  # ... and plans for a new batch
     for p in probes:  # ... and when a probe's rows become readable
         assert p + 2 in cached.planned_at
+
+
+def test_a_batch_idle_only_for_want_of_slots_plans_again_when_it_may_draft() -> None:
+    # Regression: the step that prefills a batch gives every request a draft cap of 0 (its
+    # drafter has no rows for the prompt yet), so it plans K = 0 for want of slots; that idle
+    # plan was kept for the next PROBE_EVERY decode steps, whose caps were not 0 any more.
+    verify = tuple(1.0 + 0.05 * b for b in range(64))
+    cost = CostModel("t", verify=verify, draft=(0.01,), draft_first=(0.2,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a", "b")
+    easy = drafts_of([[0.9] * 3] * 2, ids)
+    for _ in range(4):  # speculation pays: a history of easy blocks
+        d = easy if any(policy.draft_lengths([3, 3], ids)) else skipped_drafts(ids)
+        policy.plan_verification(d, policy.choose_budget(d))
+    # The old batch's last step drafts nothing (its caps are spent) ...
+    assert policy.draft_lengths([0, 0], ids) == [0, 0]
+    policy.plan_verification(skipped_drafts(ids), policy.choose_budget(skipped_drafts(ids)))
+    new = ("c", "d")  # ... and a new batch's prompts are in the next pass: a cold step
+    assert policy.draft_lengths([0, 0], new, prompt_tokens=200) == [0, 0]
+    skipped = skipped_drafts(new)
+    assert policy.plan_verification(skipped, policy.choose_budget(skipped)) == [0, 0]
+    assert policy.draft_lengths([3, 3], new) == [3, 3]  # the next step may draft, and does
+    # A batch idle on its merits keeps its plan while its caps do not grow.
+    dear = make_policy("confidence", 3, CostModel.linear(1.0, 5.0), AcceptanceTracker(3),
+                       a_priori=False)
+    for _ in range(2):  # the second step follows one without a round: its K = 0 is kept
+        assert dear.draft_lengths([3, 3], ids) == [0, 0]
+        dear.plan_verification(skipped_drafts(ids), dear.choose_budget(skipped_drafts(ids)))
+    assert dear._idle_plan_holds(ids, [3, 2]) and not dear._idle_plan_holds(ids, [3, 4])
 
 
 def test_a_budget_that_drafted_nothing_leaves_the_next_round_cold() -> None:
