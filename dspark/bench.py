@@ -115,7 +115,9 @@ def _plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
 def run_demo(num_prompts: int = 4, max_tokens: int = 64, in_process: bool = False) -> None:
     """The main job: the service on a local Ray instance with the demo models, requests through
-    the gRPC SDK, then a speed summary against the target alone (in-process, same prompts)."""
+    the gRPC SDK, then a speed summary: the same prompts in this process with the same proposer
+    and policy, and with the target alone. Speculation's gain is the in-process pair's ratio
+    (like for like); the service's figure adds what Ray calls and gRPC cost on this layout."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dspark.client import Client
@@ -124,40 +126,52 @@ def run_demo(num_prompts: int = 4, max_tokens: int = 64, in_process: bool = Fals
 
     prompts = load_prompts(heldout_prompts_path(), num_prompts)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    print("starting the service (local Ray instance, demo target + draft model) ...", flush=True)
-    service = start_service(ServeConfig(port=0, metrics_port=-1, in_process=in_process))
+    # Warm-up: one concurrent round, short. A fresh scheduler learns its layout's step costs
+    # online in its first steps; the summary times each engine as it then runs.
+    warm = SamplingParams(temperature=0, max_tokens=16)
+    cfg = ServeConfig(port=0, metrics_port=-1, in_process=in_process)
+    print(f"starting the service (local Ray instance, demo target, proposer {cfg.proposer}) ...",
+          flush=True)
+    service = start_service(cfg)
     try:
         print(f"serving on {service.address} ({service.mode})", flush=True)
         client = Client(service.address)
-        # Warm-up: one concurrent round, short. A fresh service's scheduler learns this layout's
-        # step costs (Ray calls included) online in its first steps; the summary times the
-        # service as it then runs.
-        warm = SamplingParams(temperature=0, max_tokens=16)
         with ThreadPoolExecutor(len(prompts)) as pool:
             list(pool.map(lambda p: client.generate(p, warm), prompts))
             start = time.perf_counter()
             outs = list(pool.map(lambda p: client.generate(p, params), prompts))
-        t_spec = time.perf_counter() - start
+        t_service = time.perf_counter() - start
     finally:
         service.stop()
-    plain = Engine(proposer="none")
-    plain.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))
-    start = time.perf_counter()
-    refs = plain.generate(prompts, params)
-    t_plain = time.perf_counter() - start
+
+    def timed(engine: Engine) -> tuple[list, float]:
+        engine.generate(prompts, [warm] * len(prompts))
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        return results, time.perf_counter() - start
+
+    live = service.config
+    engine = Engine(proposer=live.proposer, policy=live.policy, k=live.k)
+    local, t_local = timed(engine)
+    refs, t_plain = timed(Engine(proposer="none"))
     for prompt, out in zip(prompts, outs):
         print("=" * 72)
         print(prompt + "\033[1m" + out.text + "\033[0m")
-    n_spec = sum(len(o.token_ids) for o in outs)
+    n_service = sum(len(o.token_ids) for o in outs)
+    n_local = sum(len(o.token_ids) for o in local)
     n_plain = sum(len(o.token_ids) for o in refs)
-    same = all(o.token_ids == r.token_ids for o, r in zip(outs, refs))
+    same = all(o.token_ids == r.token_ids == q.token_ids for o, q, r in zip(outs, local, refs))
     passes = sum(int(o.stats["target_passes"]) for o in outs)
     print("=" * 72)
-    print(f"{len(prompts)} concurrent requests through the SDK, greedy, {max_tokens} tokens max")
-    print(f"service ({service.mode}, {service.config.proposer}): {n_spec / t_spec:.1f} tok/s, "
-          f"{n_spec / passes:.2f} tokens per target pass")
-    print(f"target alone, in-process: {n_plain / t_plain:.1f} tok/s; "
-          f"ratio {n_spec / t_spec / (n_plain / t_plain):.2f}x; outputs identical: {same}")
+    print(f"{len(prompts)} concurrent requests, greedy, {max_tokens} tokens max; "
+          f"proposer {live.proposer}, policy {engine.policy.name}")
+    print(f"service ({service.mode}, through the SDK): {n_service / t_service:.1f} tok/s, "
+          f"{n_service / passes:.2f} tokens per target pass")
+    print(f"in-process, same proposer and policy: {n_local / t_local:.1f} tok/s; "
+          f"target alone: {n_plain / t_plain:.1f} tok/s")
+    print(f"speculation, in-process: {n_local / t_local / (n_plain / t_plain):.2f}x the target "
+          f"alone; the service runs at {n_service / t_service / (n_local / t_local):.2f}x the "
+          f"in-process engine; outputs identical: {same}")
 
 
 WARMUP_REQUESTS = 8  # per temperature, before any cell is measured
