@@ -35,7 +35,7 @@ from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.coordinator.stale_history import STALE_STEPS, StaleRow
 from dspark.coordinator.step_time_fit import Fit, StepTimeFit
-from dspark.kernels.budget import allocate
+from dspark.kernels.budget import allocate, rank_slots
 from dspark.messages import Drafts, StepState
 
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
@@ -65,27 +65,8 @@ class Slot:
 
 def sorted_slots(survivals: np.ndarray, limits: list[int]) -> list[Slot]:
     """Every admissible (r, j), best first: key (−a, j, r). survivals: [num_reqs, max_draft]."""
-    slots = [
-        Slot(float(survivals[r, j]), r, j + 1)
-        for r, n in enumerate(limits)
-        for j in range(min(n, survivals.shape[1]))
-    ]
-    slots.sort(key=lambda s: (-s.survival, s.pos, s.req))
-    return slots
-
-
-def sorted_survivals(survivals: np.ndarray, limits: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(a, j) of every admissible slot, best first by key (−a, j, r): each [num_slots]. numpy:
-    this runs every step, on arrays small enough that torch's per-op dispatch would dominate."""
-    a_rj = np.asarray(survivals, dtype=np.float64)  # [num_reqs, width]
-    width = a_rj.shape[1]
-    pos = np.arange(1, width + 1)[:, None]  # [width, 1]
-    valid = pos <= np.asarray(limits, dtype=np.int64)[None, :]  # [width, num_reqs]
-    # Column-major order lists the slots by (j, r) already; one stable sort on −a then gives
-    # the full key.
-    a, j = a_rj.T[valid], np.broadcast_to(pos, valid.shape)[valid]
-    order = np.argsort(-a, kind="stable")
-    return a[order], j[order]
+    a, j, r = rank_slots(np.asarray(survivals, dtype=np.float64), limits)
+    return [Slot(float(x), int(req), int(pos)) for x, pos, req in zip(a, j, r, strict=True)]
 
 
 def probe_interval(num_reqs: int, idle_probes: int = 0) -> int:
@@ -240,7 +221,7 @@ class BudgetedPolicy(Policy):
         num_reqs = len(limits)
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self._prompt_tokens if prompt_tokens is None else prompt_tokens
-        a, pos = sorted_survivals(survivals, limits)  # [num_slots] best first
+        a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
         depths = np.concatenate(([0], np.maximum.accumulate(pos)))  # [K + 1]
         verify, drafting = self.cost.step_parts(
@@ -280,16 +261,15 @@ class BudgetedPolicy(Policy):
         counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
         if not any(counts):  # an idle step (most steps where speculation does not pay)
             return
-        a_rj = survivals
         padded = np.zeros((len(req_ids), self.gamma))
         rates = None  # [γ] the tracker's conditional rates, read only for a shallow row
         for i, c in enumerate(counts):
             if c > 0:
-                padded[i, :c] = a_rj[i, :c]
+                padded[i, :c] = survivals[i, :c]
             if 0 < c < self.gamma:
                 if rates is None:
                     rates = self.tracker.global_rates()[: self.gamma]
-                padded[i, c:] = a_rj[i, c - 1] * np.cumprod(rates[c:])
+                padded[i, c:] = survivals[i, c - 1] * np.cumprod(rates[c:])
         fresh = [c > 0 for c in counts]
         self._last_push = self._steps
         for r, row, ok in zip(req_ids, padded, fresh):

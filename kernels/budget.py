@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 
 def allocate_ref(
@@ -69,11 +70,26 @@ def _allocate_numpy(
     limits: torch.Tensor,  # [num_reqs] int64, within [0, max_draft]
     budget: int,  # 0 < budget < Σ limits
 ) -> torch.Tensor:  # [num_reqs] int64
-    """`allocate_ref` in numpy: the slots listed by (j, r), then one stable sort on −a."""
-    num_reqs, max_draft = confidences.shape
+    """`allocate_ref` in numpy: the first `budget` slots of `rank_slots`."""
     surv = np.cumprod(np.clip(confidences.detach().numpy().astype(np.float64), 0.0, 1.0), axis=1)
-    valid = np.arange(max_draft)[:, None] < limits.numpy()[None, :]  # [max_draft, num_reqs]
-    flat_a = surv.T[valid]  # column-major: by position j, then request r
-    flat_r = np.broadcast_to(np.arange(num_reqs)[None, :], valid.shape)[valid]
-    chosen = flat_r[np.argsort(-flat_a, kind="stable")[:budget]]
-    return torch.from_numpy(np.bincount(chosen, minlength=num_reqs).astype(np.int64))
+    chosen = rank_slots(surv, limits.numpy())[2][:budget]
+    return torch.from_numpy(np.bincount(chosen, minlength=len(surv)).astype(np.int64))
+
+
+def rank_slots(
+    survivals: np.ndarray,  # [num_reqs, width] float64
+    limits: ArrayLike,  # [num_reqs] admissible drafts per request, within [0, width]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # (a, j 1-based, r): each [num_slots]
+    """Every admissible slot (r, j), best first by key (−a, j, r): the order `allocate` takes
+    them in, and the order the scheduler's budget walks. numpy: this runs every step on arrays
+    small enough that torch's per-op dispatch would dominate."""
+    num_reqs, width = survivals.shape
+    pos = np.arange(1, width + 1)[:, None]  # [width, 1]
+    valid = pos <= np.asarray(limits)[None, :]  # [width, num_reqs]
+    # Column-major order lists the slots by (j, r) already; one stable sort on −a then gives
+    # the full key.
+    a = survivals.T[valid]
+    order = np.argsort(-a, kind="stable")
+    j = np.broadcast_to(pos, valid.shape)[valid]
+    r = np.broadcast_to(np.arange(num_reqs)[None, :], valid.shape)[valid]
+    return a[order], j[order], r[order]
