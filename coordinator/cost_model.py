@@ -60,7 +60,7 @@ class CostModel:
         return _lookup(self.verify_sampled if sampled and self.verify_sampled else self.verify,
                        num_tokens)
 
-    def _draft_costs(self, num_reqs: int, sampled: bool) -> tuple[float, float]:
+    def draft_costs(self, num_reqs: int, sampled: bool = False) -> tuple[float, float]:
         """(first position, each further position) of a drafting round over `num_reqs`."""
         per = self.draft_sampled if sampled and self.draft_sampled else self.draft
         first = self.draft_first_sampled if sampled and self.draft_first_sampled else self.draft_first
@@ -77,7 +77,7 @@ class CostModel:
         """Time of a drafting round of `positions` sequential positions over `num_reqs`."""
         if positions <= 0:
             return 0.0
-        first, each = self._draft_costs(num_reqs, sampled)
+        first, each = self.draft_costs(num_reqs, sampled)
         return first + (positions - 1) * each
 
     def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0,
@@ -99,7 +99,7 @@ class CostModel:
             verify = table[num_tokens - 1:num_tokens - 1 + count]
         else:
             verify = _lookup_many(table, num_tokens + np.arange(count))
-        first, each = self._draft_costs(num_reqs, sampled)
+        first, each = self.draft_costs(num_reqs, sampled)
         drafting = np.where(positions > 0, positions * each + (first - each), 0.0)
         return verify, drafting
 

@@ -54,6 +54,7 @@ class RoundInFlight(NamedTuple):
     cold: bool  # the drafter ran no round in the previous step
     rows: int  # committed rows the round caught up on
     decode_tokens: int  # R + Σ ℓ: the pass's tokens that are not a prompt's (prefill)
+    drafters: int  # requests that drafted (a probe's few, or those with room left)
 
 
 @dataclass(frozen=True)
@@ -141,14 +142,20 @@ class BudgetedPolicy(Policy):
         """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
         positions (default: as deep as the longest count)."""
         depth = max(counts, default=0) if depth is None else depth
-        verify, drafting = self._profiled_parts(num_reqs + self._prompt_tokens + sum(counts),
-                                                num_reqs, depth)
-        return self.time_fit(num_reqs).apply(verify, drafting, num_reqs)
+        verify, drafting, further = self._profiled_parts(
+            num_reqs + self._prompt_tokens + sum(counts), num_reqs, depth)
+        return self.time_fit(num_reqs).apply(verify, drafting, num_reqs, further=further,
+                                             verifies_drafts=sum(counts) > 0)
 
-    def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int) -> tuple[float, float]:
-        """(verify, drafting) seconds the profile gives a step of this batch's kind."""
+    def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int,
+                        drafters: int | None = None) -> tuple[float, float, float]:
+        """(verify, drafting, further) seconds the profile gives a step of this batch's kind,
+        its round drafted by `drafters` requests (default: all); `further` is the part of
+        `drafting` for the positions beyond the round's first."""
+        drafters = num_reqs if drafters is None else drafters
+        each = self.cost.draft_costs(drafters, self._sampled)[1]
         return (self.cost.verify_time(num_tokens, self._sampled),
-                self.cost.draft_time(num_reqs, depth, self._sampled))
+                self.cost.draft_time(drafters, depth, self._sampled), max(depth - 1, 0) * each)
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
@@ -169,7 +176,8 @@ class BudgetedPolicy(Policy):
         if not known:
             return own
         nearest = self._fits[(sampled, min(known, key=lambda k: (abs(k - size), k)))].fit
-        return replace(own, draft_scale=nearest.draft_scale)
+        return replace(own, draft_scale=nearest.draft_scale, first_scale=nearest.first_scale,
+                       further_scale=nearest.further_scale)
 
     def observe_time(self, seconds: float, num_tokens: int, draft_seconds: float,
                      verify_seconds: float) -> None:
@@ -185,19 +193,24 @@ class BudgetedPolicy(Policy):
         a prompt stays out of the verify scale."""
         if self._in_flight is None:
             return
-        num_reqs, depth, steady, cold, rows, decode_tokens = self._in_flight
-        verify, drafting = self._profiled_parts(num_tokens, num_reqs, depth)
+        num_reqs, depth, steady, cold, rows, decode_tokens, drafters = self._in_flight
+        # The round is priced for the requests that drafted: a probe drafts a whole block for
+        # PROBE_REQUESTS of them, and priced for all R it read as a cheap deep round.
+        verify, drafting, further = self._profiled_parts(num_tokens, num_reqs, depth, drafters)
         key = (self._sampled, num_reqs.bit_length())
+        fit = self._fits.setdefault(key, StepTimeFit())
         if cold:
-            self._fits.setdefault(key, StepTimeFit()).add_resume(
-                drafting, draft_seconds - self.cost.catch_up_time(rows))
+            excess = max(0.0, verify_seconds
+                         - fit.fit.verify_time(verify, num_reqs, decode_tokens > num_reqs))
+            fit.add_resume(drafting, draft_seconds - self.cost.catch_up_time(rows) + excess)
         # Single-request passes tell the machine's speed apart from the cost per sequence
-        # (`StepTimeFit`): their scale is the prior of larger batches'.
+        # (`StepTimeFit`): their scale and fixed cost are the priors of larger batches'.
         alone = self._fits.get((self._sampled, 1))
-        prior = alone.fit.verify_scale if alone is not None and alone.knows_verify else 1.0
-        self._fits.setdefault(key, StepTimeFit()).add(
+        prior = alone.fit if alone is not None and alone.knows_verify and num_reqs > 1 else Fit()
+        fit.add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds, steady,
-            prefill=num_tokens > decode_tokens, prior_scale=prior)
+            prefill=num_tokens > decode_tokens, prior_scale=prior.verify_scale, further=further,
+            prior_fixed=prior.verify_fixed, verifies_drafts=decode_tokens > num_reqs)
         self._in_flight = None
 
     def best_budget(self, survivals: np.ndarray, limits: list[int],
@@ -224,10 +237,13 @@ class BudgetedPolicy(Policy):
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
         tokens = num_reqs + np.concatenate(([0.0], np.cumsum(a)))  # [K + 1]
         depths = np.concatenate(([0], np.maximum.accumulate(pos)))  # [K + 1]
-        verify, drafting = self.cost.step_parts(
-            num_reqs + prompt_tokens, num_reqs,
-            depths if drafted is None else np.full_like(depths, drafted), self._sampled)
-        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold)  # [K + 1]
+        depths_drafted = depths if drafted is None else np.full_like(depths, drafted)
+        verify, drafting = self.cost.step_parts(num_reqs + prompt_tokens, num_reqs,
+                                                depths_drafted, self._sampled)
+        further = np.maximum(depths_drafted - 1, 0) * self.cost.draft_costs(
+            num_reqs, self._sampled)[1]
+        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold, further,
+                                              np.arange(len(tokens)) > 0)  # [K + 1]
         times[0 if drafted else 1:] += catch_up
         theta = tokens / times
         best = int(np.argmax(theta))  # the first maximum: the smallest K on ties
@@ -388,7 +404,8 @@ class BudgetedPolicy(Policy):
         caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
         self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
                                         self._cold, sum(self._backlog[r] for r in caught_up),
-                                        len(planned) + sum(planned))
+                                        len(planned) + sum(planned),
+                                        sum(1 for n in drafted if n))
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps

@@ -1,6 +1,9 @@
 """Online correction of the profiled step time:
-measured ≈ verify_scale · profiled verify + (R − 1) · verify_per_sequence
-         + draft_scale · profiled drafting + R · per_request.
+measured ≈ verify_scale · profiled verify + verify_fixed + (R − 1) · verify_per_sequence
+         + verify_drafts · [the pass verifies drafts]
+         + first_scale · profiled first position + further_scale · profiled further positions
+         + R · per_request
+(`first_scale` = `further_scale` = `draft_scale` until rounds of several depths tell them apart).
 
 The profile is taken once; measured steps then differ from it in two ways, and the engine
 times each part of a step, so each is read off that part's calls:
@@ -24,16 +27,20 @@ token (measured at 16 in flight, contexts of ~600 rows: 12.0 ms for passes of 11
 token each, 21.7 ms for 11 requests' 78 tokens, against 5.0 and 13.2 ms profiled: ~0.6 ms a
 sequence beyond the profile, and the profile's own slope per token). A scale alone read that
 as a 2.4x dearer token and priced speculation out where fixed k = 7 ran at 1.23x plain
-decoding. So the verify part is fitted as s · profiled + v · (R − 1) (least squares, v >= 0;
-one sequence is what the profile timed): the scale is pulled toward a prior (the single-request
-batches' scale, the machine's speed, else 1) by a small ridge, which also decides between the
-two where the passes do not tell them apart (one pass size throughout).
+decoding. So the verify part is fitted as s · profiled + c + v · (R − 1) + d · [drafts]
+(least squares, c, v, d >= 0; one sequence is what the profile timed; `_verify_fit`): the scale
+is pulled toward a prior (the single-request batches' scale, else 1) by a small ridge, which
+also decides between the parts where the passes do not tell them apart (one pass size
+throughout).
 
 Only decode passes enter the verify fit: a pass that also prefills a prompt relates to the
 profile (of decode passes) by another ratio (measured 0.49 for ~200-token prompts against 0.76
 for decode passes on the same run), and weighing as much as a dozen decode steps it pulled the
 scale down: a step's base looked cheaper, drafting dearer beside it, and a lone request idled
-where speculation paid.
+where speculation paid. Nor do their drafting rounds enter the drafting fit: a round after a
+prompt's pass runs with the drafter's weights evicted (measured 1.4x the profile at 8–15 in
+flight, against 1.15x for rounds between decode passes), and where a budget speculated mostly
+beside prompts, that priced every decode step's round 20–35% too dear and kept it idle.
 
 Sums are exponentially weighted (FORGET^age), so the fit follows a machine whose speed drifts.
 One step counts for at most MAX_RATIO times its prediction (for drafting, its profile): a
@@ -51,6 +58,10 @@ from typing import Any
 FORGET = 0.98  # weight kept by each older step: the fit follows ~50 recent steps
 MAX_RATIO = 4.0  # a step's measured part counts for at most this many times its prediction
 RIDGE = 0.05  # weight of the verify scale's prior, as a share of the passes' own weight
+# Weight of "a round's first position and its further ones scale alike", as a share of the
+# further positions' own weight (`StepTimeFit._drafting_split`): weak, so rounds of a few
+# depths pull the two apart within tens of steps.
+DEPTH_RIDGE = 0.02
 
 
 @dataclass(frozen=True)
@@ -61,18 +72,39 @@ class Fit:
     per_request: float = 0.0  # seconds per request per step (of a step without a round)
     resume_scale: float = 1.0  # `draft_scale` of a round after a step without one (cold)
     round_per_request: float | None = None  # `per_request` of a step with a round (None: same)
+    # `draft_scale` split between a round's first position (the block pass, the call's fixed
+    # cost) and its further ones (`StepTimeFit._drafting_split`); None: `draft_scale` for both.
+    first_scale: float | None = None
+    further_scale: float | None = None
+    verify_fixed: float = 0.0  # seconds a pass takes beyond its profile whatever its size
+    verify_drafts: float = 0.0  # and beyond that when it verifies drafts (acceptance's own work)
 
-    def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: float = 0.0) -> Any:
+    def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: float = 0.0,
+              further: Any = 0.0, verifies_drafts: Any = None) -> Any:
         """Estimated seconds of a step whose profiled parts are `verify` and `drafting` (floats,
-        or arrays of many candidate steps). `cold`: the share of a cold round's premium over a
-        steady one (`resume_scale` − `draft_scale`) this step is charged, 1.0 for all of it;
-        the drafter ran no round in the step before."""
-        scale = self.draft_scale + cold * (self.resume_scale - self.draft_scale)
-        verify = self.verify_scale * verify + max(num_reqs - 1, 0) * self.verify_per_sequence
+        or arrays of many candidate steps), `further` of `drafting` for the positions beyond
+        the round's first. `cold`: the share of a cold round's premium over a steady one
+        (`resume_scale` − `draft_scale`) this step is charged, 1.0 for all of it; the drafter
+        ran no round in the step before. `verifies_drafts`: whether the pass verifies any
+        draft (bools, or an array of them; default: whether the step drafts)."""
+        if self.first_scale is None or self.further_scale is None:
+            steady = self.draft_scale * drafting
+        else:
+            steady = self.first_scale * (drafting - further) + self.further_scale * further
+        premium = cold * (self.resume_scale - self.draft_scale) * drafting
+        verifies_drafts = drafting > 0 if verifies_drafts is None else verifies_drafts
+        verify = self.verify_time(verify, num_reqs, verifies_drafts)
         other = num_reqs * self.per_request
         if self.round_per_request is not None:  # (drafting > 0): 0 or 1, or an array of them
             other = other + num_reqs * (self.round_per_request - self.per_request) * (drafting > 0)
-        return verify + scale * drafting + other
+        return verify + steady + premium + other
+
+    def verify_time(self, verify: Any, num_reqs: int, verifies_drafts: Any = False) -> Any:
+        """Estimated seconds of a verify pass profiled at `verify`, of `num_reqs` sequences,
+        that verifies drafts or not."""
+        return (self.verify_scale * verify + self.verify_fixed
+                + max(num_reqs - 1, 0) * self.verify_per_sequence
+                + self.verify_drafts * verifies_drafts)
 
 
 class StepTimeFit:
@@ -83,16 +115,23 @@ class StepTimeFit:
         #  other of steps without a round, their R, other of steps with one, their R]
         self._sums = [0.0] * 6
         self._resume = [0.0, 0.0]  # [profiled, measured] drafting of rounds after idle steps
-        # Decode passes' weighted moments for verify ≈ s · x + v · r (x profiled, y measured,
-        # r = R − 1 sequences beyond one): [Σ x², Σ x·r, Σ r², Σ x·y, Σ r·y]
-        self._verify = [0.0] * 5
+        # Decode passes' weighted moments for verify ≈ s · x + c + v · r + d · h (x profiled,
+        # y measured, r = R − 1 sequences beyond one, h = 1 when it verified drafts),
+        # z = (x, 1, r, h): Σ z zᵀ and Σ z y
+        # (plain floats: this runs every step, where numpy's per-call cost exceeds the work)
+        self._verify_zz = [[0.0] * 4 for _ in range(4)]
+        self._verify_zy = [0.0] * 4
+        # Steady rounds' weighted moments for drafting ≈ s_f · f + s_e · e (f the profiled
+        # first position, e the further ones, y measured): [Σ f², Σ f·e, Σ e², Σ f·y, Σ e·y]
+        self._depth = [0.0] * 5
         self._prior_scale = 1.0  # the verify scale's prior (`add`)
+        self._prior_fixed = 0.0  # the prior of a pass's fixed cost (`add`)
         self.fit = Fit()
 
     @property
     def knows_verify(self) -> bool:
         """Whether a decode pass entered the verify fit."""
-        return self._verify[0] > 0
+        return self._verify_zz[0][0] > 0
 
     @property
     def knows_drafting(self) -> bool:
@@ -102,7 +141,8 @@ class StepTimeFit:
 
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
             verify_seconds: float, draft_seconds: float, steady: bool = True,
-            prefill: bool = False, prior_scale: float = 1.0) -> Fit:
+            prefill: bool = False, prior_scale: float = 1.0, further: float = 0.0,
+            prior_fixed: float = 0.0, verifies_drafts: bool = False) -> Fit:
         """One step: `verify`, `drafting` its profiled parts; `seconds` its measured end-to-end
         time, `verify_seconds` and `draft_seconds` the parts spent in those calls. A round that
         is not `steady` (it first caught up on rows it missed, often cold too) only bounds a
@@ -112,51 +152,107 @@ class StepTimeFit:
         profile, as before, it held the scale near 1 where steady rounds ran at 0.52 of the
         profile (1 in flight, T = 1), so a mostly idle budget never found out that speculating
         steadily paid. `prefill`: the pass also took in prompt tokens, and stays out
-        of the verify fit (see the module's docstring). `prior_scale`: the verify scale's
-        prior."""
+        of the verify and drafting fits (see the module's docstring); so does the pass after
+        a round that caught up, whose excess belongs to resuming (`add_resume`). `prior_scale`, `prior_fixed`: the
+        priors of the verify scale and of a pass's fixed cost. `further`: the part of `drafting` profiled for positions beyond the first."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
         with_round = drafting > 0
         if not steady and draft_seconds >= drafting:
-            drafting = draft_seconds = 0.0
+            drafting = draft_seconds = further = 0.0
         if prefill:
+            drafting = draft_seconds = further = 0.0
+        if prefill or not steady:
             verify = verify_seconds = 0.0
         others = float(max(num_reqs - 1, 0)) if verify > 0 else 0.0  # sequences beyond one
-        bound = MAX_RATIO * max(verify, self.fit.verify_scale * verify
-                                + self.fit.verify_per_sequence * others)
+        bound = MAX_RATIO * max(verify, self.fit.verify_time(verify, num_reqs, verifies_drafts))
         verify_seconds = min(verify_seconds, bound)
         idle = (0.0, 0.0) if with_round else (other, float(num_reqs))
         busy = (other, float(num_reqs)) if with_round else (0.0, 0.0)
-        new = (drafting, min(draft_seconds, MAX_RATIO * drafting), *idle, *busy)
+        draft_seconds = min(draft_seconds, MAX_RATIO * drafting)
+        new = (drafting, draft_seconds, *idle, *busy)
         self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
-        moments = (verify * verify, verify * others, others * others, verify * verify_seconds,
-                   others * verify_seconds)
-        self._verify = [FORGET * old + x for old, x in zip(self._verify, moments)]
-        self._prior_scale = prior_scale
+        if steady:  # a round that caught up first bounds a steady one's total, not its split
+            first = drafting - further
+            moments = (first * first, first * further, further * further, first * draft_seconds,
+                       further * draft_seconds)
+            self._depth = [FORGET * old + x for old, x in zip(self._depth, moments)]
+        z = (verify, 1.0, others, float(verifies_drafts)) if verify > 0 else (0.0,) * 4
+        self._verify_zz = [[FORGET * m + zi * zj for m, zj in zip(row, z)]
+                           for row, zi in zip(self._verify_zz, z)]
+        self._verify_zy = [FORGET * m + zi * verify_seconds for m, zi in zip(self._verify_zy, z)]
+        self._prior_scale, self._prior_fixed = prior_scale, prior_fixed
         return self._refit()
 
-    def _verify_fit(self) -> tuple[float, float]:
-        """(s, v) of verify ≈ s · profiled + v · (R − 1): least squares over the decode
-        passes, s pulled toward the prior by RIDGE, v >= 0 (a negative cost per sequence would
-        be the scale's share)."""
-        xx, xr, rr, xy, ry = self._verify
-        if xx <= 0:
-            return 1.0, 0.0
-        if rr <= 0:  # one sequence a pass throughout: nothing to tell apart
-            return xy / xx, 0.0
-        a = xx * (1 + RIDGE)
-        b = xy + RIDGE * xx * self._prior_scale
-        det = a * rr - xr * xr
-        if det > 1e-12 * a * rr:
-            s, v = (b * rr - xr * ry) / det, (a * ry - xr * b) / det
-            if v >= 0:
-                return s, v
-        return b / a, 0.0
+    def _drafting_split(self) -> tuple[float | None, float | None]:
+        """(s_f, s_e) of drafting ≈ s_f · first + s_e · further: least squares over the
+        steady rounds, pulled toward s_f = s_e by DEPTH_RIDGE; (None, None) where rounds of
+        one depth throughout cannot tell them apart, or where a scale comes out <= 0.
+
+        The drafting scale alone (measured over profiled seconds of whole rounds) prices a
+        round's first position and its further ones alike, and a deep round's positions
+        cost more live than profiled (DSpark at 4 in flight, sampling, one thread: ~1.2 ms a
+        further position live against ~0.66 ms at the fitted scale, while the first was
+        priced right): deep plans looked cheap beside shallow ones."""
+        ff, fe, ee, fy, ey = self._depth
+        if ff <= 0 or ee <= 0:
+            return None, None
+        ridge = DEPTH_RIDGE * ee  # the penalty ridge · (s_f − s_e)²
+        a11, a12, a22 = ff + ridge, fe - ridge, ee + ridge
+        det = a11 * a22 - a12 * a12
+        if det <= 1e-12 * a11 * a22:
+            return None, None
+        s_f, s_e = (fy * a22 - a12 * ey) / det, (a11 * ey - a12 * fy) / det
+        return (s_f, s_e) if s_f > 0 and s_e > 0 else (None, None)
+
+    def _verify_fit(self) -> tuple[float, float, float, float]:
+        """(s, c, v, d) of verify ≈ s · profiled + c + v · (R − 1) + d · [verifies drafts]:
+        least squares over the decode passes, s pulled toward its prior, c, v, d >= 0 (a
+        negative one would be another's share; it is dropped and the rest fitted again).
+
+        c is a pass's fixed cost beyond the profile's (on a CPU: the target's weights read
+        again after the drafter ran; the profile's passes ran back to back), d what a pass
+        with drafts adds (acceptance: warping p, reading q). Without c a lone request's
+        passes, all of one token while speculation does not pay, read their excess as a scale
+        (1.6 at 1 thread), the prior of every batch size's: a speculating pass's further tokens
+        were priced 1.6x, and speculation at 4–12 in flight looked 10–20% dearer than measured
+        (idle passes within 2–6%). Without d the step from no drafts to a few read as a steep
+        slope (1 in flight, T = 1: 0.47 ms a token between passes of 1 and ~5 tokens, 0.26
+        beyond), which priced deep plans too dear."""
+        zz, zy = self._verify_zz, self._verify_zy
+        if zz[0][0] <= 0:
+            return 1.0, 0.0, 0.0, 0.0
+        # The ridge on s weighs the passes' spread in size (their variance in x about the mean,
+        # what tells a scale from a fixed cost), plus a little of Σ x² that settles s where
+        # every pass had one size. c is pulled toward its prior (a lone request's fixed cost)
+        # and d toward 0 by ridges 100x and 10x weaker in the units of a prediction: where the
+        # passes cannot tell them apart, s keeps its prior first, then d, then c, and v takes
+        # the rest (one batch size throughout makes c and v·(R − 1) one column, passes that
+        # all verify drafts c and d).
+        spread = max(0.0, zz[0][0] - zz[0][1] ** 2 / zz[1][1])
+        ridge = (RIDGE * spread + 1e-3 * zz[0][0], 1e-5 * zz[1][1], 0.0, 1e-4 * zz[1][1])
+        prior = (self._prior_scale, self._prior_fixed, 0.0, 0.0)
+        a = [[zz[i][j] + (ridge[i] if i == j else 0.0) for j in range(4)] for i in range(4)]
+        b = [zy[i] + ridge[i] * prior[i] for i in range(4)]
+        free = [i for i in (1, 2, 3) if zz[i][i] > 0]
+        while True:
+            idx = [0, *free]
+            coef = dict(zip(idx, _solve([[a[i][j] for j in idx] for i in idx],
+                                        [b[i] for i in idx])))
+            negative = [i for i in free if coef[i] < 0]
+            if not negative:
+                return coef[0], coef.get(1, 0.0), coef.get(2, 0.0), coef.get(3, 0.0)
+            free = [i for i in free if i not in negative]
 
     def add_resume(self, drafting: float, draft_seconds: float) -> Fit:
         """A drafting round after a step without one: `drafting` its profiled time (catch-up
-        rows left out), `draft_seconds` what it took. On a CPU such a round runs cold (the
-        drafter's weights left the caches while the target ran alone), measured at ~1.5x a
-        steady one: a switching cost that resuming speculation must repay."""
+        rows left out), `draft_seconds` what it took, with what the verify pass after it took
+        beyond a steady step's. On a CPU such a round runs cold (the drafter's weights left the
+        caches while the target ran alone), measured at ~1.5x a steady one, and its catch-up
+        evicts the target's weights in turn (16 in flight, T = 1: 0.62 ms a further token in
+        the pass after it, against 0.18 in steady passes): a switching cost that resuming
+        speculation must repay. Those passes stay out of the verify fit: taken for steady
+        ones, the few that a mostly idle budget ran set the verify scale to 1.7 and priced
+        steady speculation 24% too dear."""
         if drafting <= 0:
             return self.fit
         new = (drafting, min(max(0.0, draft_seconds), MAX_RATIO * drafting))
@@ -170,8 +266,21 @@ class StepTimeFit:
         busy = busy_other / busy_reqs if busy_reqs > 0 else None
         # One kind of step not measured yet: the other's rate serves both.
         per_request = idle if idle is not None else (busy or 0.0)
-        scale, per_sequence = self._verify_fit()
+        scale, fixed, per_sequence, drafts = self._verify_fit()
         self.fit = Fit(scale, per_sequence, md / pd if pd > 0 else 1.0, per_request,
-                       rm / rp if rp > 0 else 1.0, busy)
+                       rm / rp if rp > 0 else 1.0, busy, *self._drafting_split(), fixed, drafts)
         return self.fit
 
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a · x = b for a small positive-definite a (Gaussian elimination, plain floats)."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = m[i][k] / m[k][k]
+            m[i] = [x - f * y for x, y in zip(m[i], m[k])]
+    x = [0.0] * n
+    for k in reversed(range(n)):
+        x[k] = (m[k][n] - sum(m[k][j] * x[j] for j in range(k + 1, n))) / m[k][k]
+    return x

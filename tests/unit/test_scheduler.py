@@ -471,10 +471,21 @@ def test_step_time_fit_reads_scales_and_other_work_apart_and_forgets() -> None:
     assert fit.fit.verify_scale == pytest.approx(0.6, rel=0.1)
     assert fit.fit.draft_scale == pytest.approx(1.3, rel=0.1)
     assert fit.fit.per_request == pytest.approx(0.003)
-    for _ in range(400):  # verify slows to 1.5x the profile: the old speed is forgotten
-        fit.add(0.01, 0.0, 1, 0.015 + 0.003, 0.015, 0.0)
+    for i in range(400):  # verify slows to 1.5x the profile: the old speed is forgotten
+        x = 0.01 * (1 + i % 3)
+        fit.add(x, 0.0, 1, 1.5 * x + 0.003, 1.5 * x, 0.0)
     assert fit.fit.verify_scale == pytest.approx(1.5, rel=0.1)
+    assert fit.fit.verify_fixed < 0.001  # against 0.005 for a pass's fixed cost (below)
     assert fit.fit.apply(0.01, 0.0, 1) == pytest.approx(0.018, rel=0.1)
+    # One pass size throughout cannot tell a slower token from a dearer pass: the scale keeps
+    # its prior (the profile's slope) and the pass's fixed cost takes the excess; a pass of
+    # that size is priced as measured either way.
+    one_size = StepTimeFit()
+    for _ in range(400):
+        one_size.add(0.01, 0.0, 1, 0.018, 0.015, 0.0)
+    assert one_size.fit.verify_scale == pytest.approx(1.0, rel=0.01)
+    assert one_size.fit.verify_fixed == pytest.approx(0.005, rel=0.02)
+    assert one_size.fit.apply(0.01, 0.0, 1) == pytest.approx(0.018, rel=0.02)
     clock_skew = StepTimeFit()
     clock_skew.add(0.01, 0.0, 1, 0.009, 0.0095, 0.0)  # calls timed longer than the whole step
     assert clock_skew.fit.per_request == 0.0
@@ -559,7 +570,7 @@ def test_a_cold_round_after_idle_steps_costs_its_measured_resume_scale() -> None
 
     # As if this round had followed idle steps:
     policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0,
-                                      decode_tokens=1 + sum(planned))
+                                      decode_tokens=1 + sum(planned), drafters=1)
     policy.observe_time(1.0 + 1.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
     assert policy.time_fit(1).resume_scale == pytest.approx(3.0)
     surv = survivals_of(torch.full((1, 3), 0.6, dtype=torch.float64))
@@ -721,6 +732,47 @@ def test_only_steady_rounds_set_the_drafting_scale_and_other_sizes_borrow_it() -
     assert policy.time_fit(1, sampled=False).draft_scale == pytest.approx(0.8)
 
 
+def test_drafting_fit_prices_a_rounds_first_and_further_positions_apart() -> None:
+    # Rounds of depths 1..7, profiled at 7 ms for the first position and 0.5 ms for each
+    # further one, measured at 1.1x the first and 2x the further ones (a deep round's
+    # positions dearer live than profiled): the split comes back, and a deep round is priced
+    # as measured where the whole round's scale alone under-prices it.
+    first, each = 0.007, 0.0005
+    fit = StepTimeFit()
+    for i in range(300):
+        d = 1 + i % 7
+        f, e = first, (d - 1) * each
+        fit.add(0.01, f + e, 4, 0.01 + 1.1 * f + 2.0 * e, 0.01, 1.1 * f + 2.0 * e, further=e)
+    assert fit.fit.first_scale == pytest.approx(1.1, rel=0.03)
+    assert fit.fit.further_scale == pytest.approx(2.0, rel=0.05)
+    deep = fit.fit.apply(0.0, first + 6 * each, 1, further=6 * each)
+    assert deep == pytest.approx(1.1 * first + 12 * each, rel=0.01)
+    assert fit.fit.draft_scale * (first + 6 * each) < 0.95 * deep  # one scale: too cheap
+    # One depth throughout: nothing tells the two apart, and both take the common scale.
+    same = StepTimeFit()
+    for _ in range(100):
+        same.add(0.01, first + 4 * each, 4, 0.02, 0.01, 1.3 * (first + 4 * each),
+                 further=4 * each)
+    assert same.fit.first_scale == pytest.approx(1.3) and same.fit.further_scale == pytest.approx(1.3)
+    # Through the policy: verify passes 1 s flat, a round 0.5 s + 0.1 s a further position,
+    # conditional confidences 0.8. At the profile Θ peaks at the whole block (K = 7); with
+    # further positions measured at 3x their profile it peaks at K = 3 or 4, and the round
+    # drafts no deeper.
+    cost = CostModel("t", verify=(1.0,) * 16, draft=(0.1,), draft_first=(0.5,))
+    policy = make_policy("confidence", 7, cost, AcceptanceTracker(7), a_priori=False)
+    assert isinstance(policy, BudgetedPolicy)
+    policy._cold = False
+    surv = survivals_of(torch.full((1, 7), 0.8, dtype=torch.float64))
+    assert policy.best_plan(surv, [7]) == (7, 7)
+    learned = StepTimeFit()
+    for i in range(300):
+        d = 1 + i % 7
+        e = (d - 1) * 0.1
+        learned.add(1.0, 0.5 + e, 1, 1.5 + 4 * e, 1.0, 0.5 + 3 * e, further=e)
+    policy._fits[(False, 1)] = learned
+    assert policy.best_plan(surv, [7])[1] in (3, 4)
+
+
 def test_a_verify_pass_costs_per_sequence_beyond_its_profiled_tokens() -> None:
     # The profile times one sequence of B tokens; a live pass of R sequences also pays per
     # sequence. Passes at 0.9x the profile plus 0.6 ms a sequence beyond the first, over
@@ -858,7 +910,7 @@ def test_a_cold_rounds_premium_is_spread_over_the_steps_left() -> None:
         d = drafts_of([[0.6] * 3], ("a",))
         planned = policy.plan_verification(d, policy.choose_budget(d))
         policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0,
-                                          decode_tokens=1 + sum(planned))
+                                          decode_tokens=1 + sum(planned), drafters=1)
         policy.observe_time(2.5, 1 + sum(planned), draft_seconds=1.5, verify_seconds=1.0)
         policy._budget, policy._last_round = 0, 0  # no round in step 1: step 2 runs cold
         return policy
