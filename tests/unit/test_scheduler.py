@@ -773,6 +773,71 @@ def test_drafting_fit_prices_a_rounds_first_and_further_positions_apart() -> Non
     assert policy.best_plan(surv, [7])[1] in (3, 4)
 
 
+def test_verify_fit_reads_a_fixed_cost_and_a_cost_of_verifying_drafts_apart_from_the_slope() -> None:
+    # Profiled passes of B tokens: 5 ms + 0.35 ms a token. Live: 1.5 ms more a pass, 0.8 ms
+    # more when it verifies drafts, and each token as profiled. Fitted as one scale through
+    # idle passes (B = 1) and passes of ~5 tokens, a token looked 0.47 ms and deep plans dear.
+    def profiled(b: int) -> float:
+        return 0.005 + 0.00035 * b
+
+    fit = StepTimeFit()
+    for i in range(300):
+        b = 1 if i % 3 == 0 else 2 + i % 7  # idle passes and passes of 1..7 drafts
+        live = profiled(b) + 0.0015 + 0.0008 * (b > 1)
+        fit.add(profiled(b), 0.0, 1, live, live, 0.0, verifies_drafts=b > 1)
+    assert fit.fit.verify_scale == pytest.approx(1.0, rel=0.03)
+    assert fit.fit.verify_fixed == pytest.approx(0.0015, rel=0.05)
+    assert fit.fit.verify_drafts == pytest.approx(0.0008, rel=0.05)
+    marginal = fit.fit.verify_time(profiled(8), 1, True) - fit.fit.verify_time(profiled(5), 1, True)
+    assert marginal == pytest.approx(3 * 0.00035, rel=0.05)
+
+
+def test_passes_after_a_catch_up_round_and_rounds_beside_a_prompt_stay_out_of_the_steady_fit() -> None:
+    # Steady steps: verify and drafting as profiled. A pass after a round that caught up runs
+    # 3x (the round evicted the target's weights), and a round beside a prompt 2x: neither
+    # moves the steady scales.
+    fit = StepTimeFit()
+    for i in range(200):
+        fit.add(0.01, 0.004, 2, 0.014, 0.01, 0.004)
+        if i % 4 == 0:
+            fit.add(0.01, 0.004, 2, 0.034, 0.03, 0.0035, steady=False)  # beat its profile
+        if i % 5 == 0:
+            fit.add(0.05, 0.004, 2, 0.058, 0.05, 0.008, prefill=True)
+    assert fit.fit.verify_time(0.01, 2) == pytest.approx(0.01, rel=0.02)
+    assert fit.fit.draft_scale == pytest.approx(1.0, rel=0.05)
+    # Through the policy: a cold round's verify excess joins the resume premium.
+    from dspark.coordinator.scheduler import RoundInFlight
+
+    cost = CostModel("t", verify=(1.0,) * 8, draft=(0.0,), draft_first=(0.5,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    assert isinstance(policy, BudgetedPolicy)
+    policy._sampled = False
+    policy._in_flight = RoundInFlight(1, 3, steady=False, cold=True, rows=0, decode_tokens=4,
+                                      drafters=1)
+    # The round took its profile (0.5 s) and the pass 1 s more than a steady pass (1 s).
+    policy.observe_time(2.5, 4, draft_seconds=0.5, verify_seconds=2.0)
+    fit1 = policy.time_fit(1)
+    assert fit1.resume_scale == pytest.approx(3.0)  # (0.5 + 1.0) / 0.5
+    assert fit1.verify_time(1.0, 1, True) == pytest.approx(1.0)  # the steady fit: untouched
+
+
+def test_a_probe_round_is_priced_for_the_requests_that_drafted() -> None:
+    # A probe drafts a whole block for 2 of 8 requests; priced for all 8 (a dearer row of the
+    # profile) it read as a cheap round and pulled the drafting scale down.
+    from dspark.coordinator.scheduler import RoundInFlight
+
+    cost = CostModel("t", verify=(1.0,) * 64, draft=tuple(0.1 * n for n in range(1, 9)),
+                     draft_first=tuple(0.5 * n for n in range(1, 9)))
+    policy = make_policy("confidence", 7, cost, AcceptanceTracker(7), a_priori=False)
+    assert isinstance(policy, BudgetedPolicy)
+    policy._sampled = False
+    profiled_two = cost.draft_time(2, 7)  # 1.0 + 6 · 0.2
+    policy._in_flight = RoundInFlight(8, 7, steady=True, cold=False, rows=0, decode_tokens=8,
+                                      drafters=2)
+    policy.observe_time(1.0 + profiled_two, 8, draft_seconds=profiled_two, verify_seconds=1.0)
+    assert policy.time_fit(8).draft_scale == pytest.approx(1.0)
+
+
 def test_a_verify_pass_costs_per_sequence_beyond_its_profiled_tokens() -> None:
     # The profile times one sequence of B tokens; a live pass of R sequences also pays per
     # sequence. Passes at 0.9x the profile plus 0.6 ms a sequence beyond the first, over
