@@ -35,7 +35,7 @@ from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.coordinator.stale_history import STALE_STEPS, StaleRow
 from dspark.coordinator.step_time_fit import Fit, StepTimeFit
-from dspark.kernels.budget import allocate, rank_slots
+from dspark.kernels.budget import allocate_survivals, rank_slots
 from dspark.messages import Drafts, StepState
 
 PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
@@ -136,6 +136,8 @@ class BudgetedPolicy(Policy):
         # (batch, step, limits) of a K = 0 plan (`_idle_plan_holds`)
         self._idle_plan: tuple[tuple[str, ...], int, list[int]] | None = None
         self._last_push = -STALE_STEPS - 1  # the last step that pushed stale rows
+        # (confidences, their survivals) of this step's drafts (`live_survivals`)
+        self._live: tuple[torch.Tensor | np.ndarray, np.ndarray] | None = None
 
     # --- cost --------------------------------------------------------------------------------
     def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
@@ -266,6 +268,15 @@ class BudgetedPolicy(Policy):
             return np.zeros((0, self.gamma))
         return np.stack(rows)
 
+    def live_survivals(self, confidences: torch.Tensor | np.ndarray) -> np.ndarray:
+        """`survivals_of` this step's live confidences, computed once a step: the allocation
+        and the history both read them (at 16 in flight a conversion and cumprod cost ~0.1 ms
+        of the policy's ~1.3 ms a step)."""
+        cached = self._live
+        if cached is None or cached[0] is not confidences:
+            cached = self._live = (confidences, survivals_of(confidences))
+        return cached[1]
+
     def _remember(self, req_ids: tuple[str, ...], survivals: np.ndarray,
                   counts: list[int] | None = None) -> None:
         """Push each request's survival row (`counts[i]` drafted positions; None: all γ) into
@@ -300,6 +311,7 @@ class BudgetedPolicy(Policy):
     ) -> list[int]:
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
+        self._live = None
         self._sampled = sampled
         self._steps += 1
         # A request that drafted in the previous step has a steady round's backlog (the
@@ -414,7 +426,7 @@ class BudgetedPolicy(Policy):
         if any(drafted):
             self._last_round = self._steps
         if not self.a_priori and drafts.confidences is not None:
-            self._remember(drafts.req_ids, survivals_of(drafts.confidences), drafted)
+            self._remember(drafts.req_ids, self.live_survivals(drafts.confidences), drafted)
         return planned
 
     def observe(self, step: StepState) -> None:
@@ -490,8 +502,7 @@ class ConfidencePolicy(BudgetedPolicy):
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         k = self.budget_before_drafting(req_ids, limits)[0] if budget is None else budget
-        counts = allocate(confidences, torch.tensor(limits, dtype=torch.long), k)
-        return k, counts.tolist()
+        return k, allocate_survivals(self.live_survivals(confidences), limits, k).tolist()
 
 
 class ConfidenceSyncPolicy(BudgetedPolicy):

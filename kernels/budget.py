@@ -70,10 +70,20 @@ def _allocate_numpy(
     limits: torch.Tensor,  # [num_reqs] int64, within [0, max_draft]
     budget: int,  # 0 < budget < Σ limits
 ) -> torch.Tensor:  # [num_reqs] int64
-    """`allocate_ref` in numpy: the first `budget` slots of `rank_slots`."""
+    """`allocate_ref` in numpy (`allocate_survivals`)."""
     surv = np.cumprod(np.clip(confidences.detach().numpy().astype(np.float64), 0.0, 1.0), axis=1)
-    chosen = rank_slots(surv, limits.numpy())[2][:budget]
-    return torch.from_numpy(np.bincount(chosen, minlength=len(surv)).astype(np.int64))
+    return torch.from_numpy(allocate_survivals(surv, limits.numpy(), budget))
+
+
+def allocate_survivals(
+    survivals: np.ndarray,  # [num_reqs, width] float64 survivals (not conditional confidences)
+    limits: ArrayLike,  # [num_reqs] admissible drafts per request, within [0, width]
+    budget: int,
+) -> np.ndarray:  # [num_reqs] int64 counts, Σ = min(budget, Σ limits)
+    """Counts of the first `budget` slots of `rank_slots`: `allocate` for a caller that holds
+    survivals in numpy already (the scheduler, every step)."""
+    chosen = rank_slots(survivals, limits)[2][: max(0, budget)]
+    return np.bincount(chosen, minlength=survivals.shape[0]).astype(np.int64)
 
 
 def rank_slots(
