@@ -170,16 +170,24 @@ class BudgetedPolicy(Policy):
         fit = self._fits.get((sampled, size))
         if fit is not None and fit.knows_drafting:
             return fit.fit
-        # No steady round measured at this size yet: borrow the drafting scale of the nearest
-        # size that has one (a guess closer than the profile's, which may be off by 2x), until
-        # this size measures its own.
+        # No steady round measured at this size yet: borrow from the nearest size that has one
+        # (a guess closer than the profile's, which may be off by 2x), until this size
+        # measures its own. What carries over is the seconds a round takes beyond its
+        # profile, not the ratio: on a CPU that excess is a round's fixed cost (cold caches,
+        # the call), ~1.5 ms at 1–7 in flight, so a ratio of 1.3 there priced a round at 16
+        # in flight, profiled 3x longer, 25% too dear and kept that size idle.
         known = [k[1] for k, f in self._fits.items() if k[0] == sampled and f.knows_drafting]
         own = fit.fit if fit is not None else Fit()
         if not known:
             return own
-        nearest = self._fits[(sampled, min(known, key=lambda k: (abs(k - size), k)))].fit
-        return replace(own, draft_scale=nearest.draft_scale, first_scale=nearest.first_scale,
-                       further_scale=nearest.further_scale)
+        near = min(known, key=lambda k: (abs(k - size), k))
+        scale = self._fits[(sampled, near)].fit.draft_scale
+        depth = (self.gamma + 1) // 2
+        here = self.cost.draft_time(num_reqs, depth, sampled)
+        there = self.cost.draft_time(3 << (near - 1) >> 1 or 1, depth, sampled)  # ~1.5 · 2^(k−1)
+        if here > 0 and there > 0:
+            scale = 1.0 + (scale - 1.0) * there / here
+        return replace(own, draft_scale=scale, first_scale=None, further_scale=None)
 
     def observe_time(self, seconds: float, num_tokens: int, draft_seconds: float,
                      verify_seconds: float) -> None:

@@ -730,6 +730,18 @@ def test_only_steady_rounds_set_the_drafting_scale_and_other_sizes_borrow_it() -
         own.add(0.01, 0.02, 1, 0.026, 0.01, 0.016)
     policy._fits[(False, 1)] = own
     assert policy.time_fit(1, sampled=False).draft_scale == pytest.approx(0.8)
+    # A round's cost that grows with the batch: what carries over is the excess in seconds.
+    # One request's rounds take 1 s where profiled at 0.5; a round of 8, profiled at 4 s,
+    # is priced 4.5 s (scale 1.125), not 8 s (the ratio 2.0).
+    growing = CostModel("t", verify=(1.0,) * 64, draft=(0.0,) * 8,
+                        draft_first=tuple(0.5 * n for n in range(1, 9)))
+    policy = make_policy("confidence", 3, growing, AcceptanceTracker(3), a_priori=False)
+    alone = StepTimeFit()
+    for _ in range(5):
+        alone.add(0.01, 0.5, 1, 1.01, 0.01, 1.0)
+    policy._fits[(False, 1)] = alone
+    assert policy.time_fit(1, sampled=False).draft_scale == pytest.approx(2.0)
+    assert policy.time_fit(8, sampled=False).draft_scale == pytest.approx(1.125)
 
 
 def test_drafting_fit_prices_a_rounds_first_and_further_positions_apart() -> None:
