@@ -54,7 +54,6 @@ class RoundInFlight(NamedTuple):
     cold: bool  # the drafter ran no round in the previous step
     rows: int  # committed rows the round caught up on
     decode_tokens: int  # R + Σ ℓ: the pass's tokens that are not a prompt's (prefill)
-    drafters: int  # requests that drafted (a probe's few, or those with room left)
 
 
 @dataclass(frozen=True)
@@ -149,15 +148,13 @@ class BudgetedPolicy(Policy):
         return self.time_fit(num_reqs).apply(verify, drafting, num_reqs, further=further,
                                              verifies_drafts=sum(counts) > 0)
 
-    def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int,
-                        drafters: int | None = None) -> tuple[float, float, float]:
-        """(verify, drafting, further) seconds the profile gives a step of this batch's kind,
-        its round drafted by `drafters` requests (default: all); `further` is the part of
-        `drafting` for the positions beyond the round's first."""
-        drafters = num_reqs if drafters is None else drafters
-        each = self.cost.draft_costs(drafters, self._sampled)[1]
+    def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int
+                        ) -> tuple[float, float, float]:
+        """(verify, drafting, further) seconds the profile gives a step of this batch's kind;
+        `further` is the part of `drafting` for the positions beyond the round's first."""
+        each = self.cost.draft_costs(num_reqs, self._sampled)[1]
         return (self.cost.verify_time(num_tokens, self._sampled),
-                self.cost.draft_time(drafters, depth, self._sampled), max(depth - 1, 0) * each)
+                self.cost.draft_time(num_reqs, depth, self._sampled), max(depth - 1, 0) * each)
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
@@ -203,15 +200,21 @@ class BudgetedPolicy(Policy):
         a prompt stays out of the verify scale."""
         if self._in_flight is None:
             return
-        num_reqs, depth, steady, cold, rows, decode_tokens, drafters = self._in_flight
-        # The round is priced for the requests that drafted: a probe drafts a whole block for
-        # PROBE_REQUESTS of them, and priced for all R it read as a cheap deep round.
-        verify, drafting, further = self._profiled_parts(num_tokens, num_reqs, depth, drafters)
+        num_reqs, depth, steady, cold, rows, decode_tokens = self._in_flight
+        # The round is priced for the whole batch, as the budget prices it, though fewer may
+        # have drafted (a probe's few, requests whose prompt is in the pass): priced for those
+        # that drafted, a cold round beside prompts at 64 in flight (23 of 64 drafted, with
+        # the others' rows to catch up on) read as 4x its profile, and the budget never
+        # resumed (1.02x `off` where it had run at 1.27x).
+        verify, drafting, further = self._profiled_parts(num_tokens, num_reqs, depth)
         key = (self._sampled, num_reqs.bit_length())
         fit = self._fits.setdefault(key, StepTimeFit())
         if cold:
-            excess = max(0.0, verify_seconds
-                         - fit.fit.verify_time(verify, num_reqs, decode_tokens > num_reqs))
+            # The pass's excess over a steady one, read only from a decode pass: the verify fit
+            # knows nothing of prompts (at 64 in flight most cold rounds ran beside one, and
+            # their "excess" set the premium to its cap and the budget idled for good).
+            excess = 0.0 if num_tokens > decode_tokens else max(
+                0.0, verify_seconds - fit.fit.verify_time(verify, num_reqs, decode_tokens > num_reqs))
             fit.add_resume(drafting, draft_seconds - self.cost.catch_up_time(rows) + excess)
         # Single-request passes tell the machine's speed apart from the cost per sequence
         # (`StepTimeFit`): their scale and fixed cost are the priors of larger batches'.
@@ -424,8 +427,7 @@ class BudgetedPolicy(Policy):
         caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
         self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
                                         self._cold, sum(self._backlog[r] for r in caught_up),
-                                        len(planned) + sum(planned),
-                                        sum(1 for n in drafted if n))
+                                        len(planned) + sum(planned))
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps

@@ -37,10 +37,12 @@ Only decode passes enter the verify fit: a pass that also prefills a prompt rela
 profile (of decode passes) by another ratio (measured 0.49 for ~200-token prompts against 0.76
 for decode passes on the same run), and weighing as much as a dozen decode steps it pulled the
 scale down: a step's base looked cheaper, drafting dearer beside it, and a lone request idled
-where speculation paid. Nor do their drafting rounds enter the drafting fit: a round after a
-prompt's pass runs with the drafter's weights evicted (measured 1.4x the profile at 8–15 in
-flight, against 1.15x for rounds between decode passes), and where a budget speculated mostly
-beside prompts, that priced every decode step's round 20–35% too dear and kept it idle.
+where speculation paid. Their drafting rounds do enter the drafting fit, although a round
+beside a prompt runs slower (measured 1.4x the profile at 8–15 in flight, against 1.15x for
+rounds between decode passes), which prices decode steps' rounds too dear where a budget
+speculates mostly beside prompts: at 64 in flight nearly every step admits a request, those
+rounds are all there is to learn from, and the profile alone (a round of 64 requests profiled
+at 113 ms, live well under it) kept the budget idle (1.02x `off` where it had run at 1.27x).
 
 Sums are exponentially weighted (FORGET^age), so the fit follows a machine whose speed drifts.
 One step counts for at most MAX_RATIO times its prediction (for drafting, its profile): a
@@ -152,14 +154,12 @@ class StepTimeFit:
         profile, as before, it held the scale near 1 where steady rounds ran at 0.52 of the
         profile (1 in flight, T = 1), so a mostly idle budget never found out that speculating
         steadily paid. `prefill`: the pass also took in prompt tokens, and stays out
-        of the verify and drafting fits (see the module's docstring); so does the pass after
-        a round that caught up, whose excess belongs to resuming (`add_resume`). `prior_scale`, `prior_fixed`: the
+        of the verify fit (see the module's docstring); so does the pass after a round that
+        caught up, whose excess belongs to resuming (`add_resume`). `prior_scale`, `prior_fixed`: the
         priors of the verify scale and of a pass's fixed cost. `further`: the part of `drafting` profiled for positions beyond the first."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
         with_round = drafting > 0
         if not steady and draft_seconds >= drafting:
-            drafting = draft_seconds = further = 0.0
-        if prefill:
             drafting = draft_seconds = further = 0.0
         if prefill or not steady:
             verify = verify_seconds = 0.0
