@@ -181,7 +181,8 @@ class BudgetedPolicy(Policy):
         scale = self._fits[(sampled, near)].fit.draft_scale
         depth = (self.gamma + 1) // 2
         here = self.cost.draft_time(num_reqs, depth, sampled)
-        there = self.cost.draft_time(3 << (near - 1) >> 1 or 1, depth, sampled)  # ~1.5 · 2^(k−1)
+        # A size within the bucket it was measured at: ~1.5 · 2^(k−1) requests (1, 3, 6, 12, ...).
+        there = self.cost.draft_time(max(1, (3 << (near - 1)) // 2), depth, sampled)
         if here > 0 and there > 0:
             scale = 1.0 + (scale - 1.0) * there / here
         return replace(own, draft_scale=scale, first_scale=None, further_scale=None)
@@ -213,8 +214,8 @@ class BudgetedPolicy(Policy):
             # The pass's excess over a steady one, read only from a decode pass: the verify fit
             # knows nothing of prompts (at 64 in flight most cold rounds ran beside one, and
             # their "excess" set the premium to its cap and the budget idled for good).
-            excess = 0.0 if num_tokens > decode_tokens else max(
-                0.0, verify_seconds - fit.fit.verify_time(verify, num_reqs, decode_tokens > num_reqs))
+            steady_pass = fit.fit.verify_time(verify, num_reqs, decode_tokens > num_reqs)
+            excess = 0.0 if num_tokens > decode_tokens else max(0.0, verify_seconds - steady_pass)
             fit.add_resume(drafting, draft_seconds - self.cost.catch_up_time(rows) + excess)
         # Single-request passes tell the machine's speed apart from the cost per sequence
         # (`StepTimeFit`): their scale and fixed cost are the priors of larger batches'.

@@ -155,8 +155,10 @@ class StepTimeFit:
         profile (1 in flight, T = 1), so a mostly idle budget never found out that speculating
         steadily paid. `prefill`: the pass also took in prompt tokens, and stays out
         of the verify fit (see the module's docstring); so does the pass after a round that
-        caught up, whose excess belongs to resuming (`add_resume`). `prior_scale`, `prior_fixed`: the
-        priors of the verify scale and of a pass's fixed cost. `further`: the part of `drafting` profiled for positions beyond the first."""
+        caught up, whose excess belongs to resuming (`add_resume`). `prior_scale`,
+        `prior_fixed`: the priors of the verify scale and of a pass's fixed cost. `further`:
+        the part of `drafting` profiled for positions beyond the first. `verifies_drafts`:
+        the pass verified any draft."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
         with_round = drafting > 0
         if not steady and draft_seconds >= drafting:

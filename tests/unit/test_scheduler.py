@@ -765,7 +765,8 @@ def test_drafting_fit_prices_a_rounds_first_and_further_positions_apart() -> Non
     for _ in range(100):
         same.add(0.01, first + 4 * each, 4, 0.02, 0.01, 1.3 * (first + 4 * each),
                  further=4 * each)
-    assert same.fit.first_scale == pytest.approx(1.3) and same.fit.further_scale == pytest.approx(1.3)
+    assert same.fit.first_scale == pytest.approx(1.3)
+    assert same.fit.further_scale == pytest.approx(1.3)
     # Through the policy: verify passes 1 s flat, a round 0.5 s + 0.1 s a further position,
     # conditional confidences 0.8. At the profile Θ peaks at the whole block (K = 7); with
     # further positions measured at 3x their profile it peaks at K = 3 or 4, and the round
@@ -785,7 +786,7 @@ def test_drafting_fit_prices_a_rounds_first_and_further_positions_apart() -> Non
     assert policy.best_plan(surv, [7])[1] in (3, 4)
 
 
-def test_verify_fit_reads_a_fixed_cost_and_a_cost_of_verifying_drafts_apart_from_the_slope() -> None:
+def test_verify_fit_reads_a_fixed_cost_and_a_cost_of_drafts_apart_from_the_slope() -> None:
     # Profiled passes of B tokens: 5 ms + 0.35 ms a token. Live: 1.5 ms more a pass, 0.8 ms
     # more when it verifies drafts, and each token as profiled. Fitted as one scale through
     # idle passes (B = 1) and passes of ~5 tokens, a token looked 0.47 ms and deep plans dear.
