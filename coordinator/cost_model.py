@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class CostModel:
         return _lookup(self.verify_sampled if sampled and self.verify_sampled else self.verify,
                        num_tokens)
 
-    def draft_costs(self, num_reqs: int, sampled: bool = False) -> tuple[float, float]:
+    def _draft_costs(self, num_reqs: int, sampled: bool) -> tuple[float, float]:
         """(first position, each further position) of a drafting round over `num_reqs`."""
         per = self.draft_sampled if sampled and self.draft_sampled else self.draft
         first = self.draft_first_sampled if sampled and self.draft_first_sampled else self.draft_first
@@ -77,8 +78,13 @@ class CostModel:
         """Time of a drafting round of `positions` sequential positions over `num_reqs`."""
         if positions <= 0:
             return 0.0
-        first, each = self.draft_costs(num_reqs, sampled)
+        first, each = self._draft_costs(num_reqs, sampled)
         return first + (positions - 1) * each
+
+    def further_time(self, num_reqs: int, positions: ArrayLike, sampled: bool = False) -> Any:
+        """The part of `draft_time` for the positions beyond a round's first (a float, or an
+        array for an array of position counts): what a deeper round adds."""
+        return np.maximum(np.asarray(positions) - 1, 0) * self._draft_costs(num_reqs, sampled)[1]
 
     def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0,
                   sampled: bool = False) -> float:
@@ -99,7 +105,7 @@ class CostModel:
             verify = table[num_tokens - 1:num_tokens - 1 + count]
         else:
             verify = _lookup_many(table, num_tokens + np.arange(count))
-        first, each = self.draft_costs(num_reqs, sampled)
+        first, each = self._draft_costs(num_reqs, sampled)
         drafting = np.where(positions > 0, positions * each + (first - each), 0.0)
         return verify, drafting
 

@@ -152,9 +152,9 @@ class BudgetedPolicy(Policy):
                         ) -> tuple[float, float, float]:
         """(verify, drafting, further) seconds the profile gives a step of this batch's kind;
         `further` is the part of `drafting` for the positions beyond the round's first."""
-        each = self.cost.draft_costs(num_reqs, self._sampled)[1]
         return (self.cost.verify_time(num_tokens, self._sampled),
-                self.cost.draft_time(num_reqs, depth, self._sampled), max(depth - 1, 0) * each)
+                self.cost.draft_time(num_reqs, depth, self._sampled),
+                float(self.cost.further_time(num_reqs, depth, self._sampled)))
 
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
@@ -254,8 +254,7 @@ class BudgetedPolicy(Policy):
         depths_drafted = depths if drafted is None else np.full_like(depths, drafted)
         verify, drafting = self.cost.step_parts(num_reqs + prompt_tokens, num_reqs,
                                                 depths_drafted, self._sampled)
-        further = np.maximum(depths_drafted - 1, 0) * self.cost.draft_costs(
-            num_reqs, self._sampled)[1]
+        further = self.cost.further_time(num_reqs, depths_drafted, self._sampled)
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold, further,
                                               np.arange(len(tokens)) > 0)  # [K + 1]
         times[0 if drafted else 1:] += catch_up

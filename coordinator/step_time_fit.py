@@ -199,11 +199,10 @@ class StepTimeFit:
         if ff <= 0 or ee <= 0:
             return None, None
         ridge = DEPTH_RIDGE * ee  # the penalty ridge · (s_f − s_e)²
-        a11, a12, a22 = ff + ridge, fe - ridge, ee + ridge
-        det = a11 * a22 - a12 * a12
-        if det <= 1e-12 * a11 * a22:
+        a = [[ff + ridge, fe - ridge], [fe - ridge, ee + ridge]]
+        if a[0][0] * a[1][1] - a[0][1] ** 2 <= 1e-12 * a[0][0] * a[1][1]:
             return None, None
-        s_f, s_e = (fy * a22 - a12 * ey) / det, (a11 * ey - a12 * fy) / det
+        s_f, s_e = _solve(a, [fy, ey])
         return (s_f, s_e) if s_f > 0 and s_e > 0 else (None, None)
 
     def _verify_fit(self) -> tuple[float, float, float, float]:
