@@ -25,7 +25,7 @@ from dspark.coordinator.cost_model import (
     interleaved_medians,
     median_time,
     monotone,
-    smooth_dense,
+    smooth_profile,
 )
 from dspark.messages import DraftQuery, NewRequest, VerifyPlan
 from dspark.models.decoder import DecoderLM
@@ -34,7 +34,7 @@ from dspark.sampling_params import SamplingParams
 
 VERIFY_BLOCK = 8  # tokens per request in a profiled verify batch (anchor + 7 drafts)
 VERIFY_STRIDE = 8  # past B = 16, verify sizes are timed this far apart and interpolated
-DENSE_VERIFY = 16  # verify sizes up to this are timed one by one and smoothed (`smooth_dense`)
+DENSE_VERIFY = 16  # verify sizes up to this are timed one by one and smoothed (`smooth_profile`)
 DENSE_DRAFT = 8  # likewise the drafting rounds' batch sizes
 
 
@@ -83,7 +83,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v10"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v11"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -158,7 +158,7 @@ def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats:
     finally:
         for r in ids:
             target.release(r)
-    return monotone(_interpolate(grid, smooth_dense(grid, times, DENSE_VERIFY)))
+    return monotone(_interpolate(grid, smooth_profile(grid, times, DENSE_VERIFY)))
 
 
 def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_draft: list[int],
@@ -218,7 +218,7 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
     finally:
         for r in ids:
             proposer.release(r)
-    first, each = smooth_dense(grid, first, DENSE_DRAFT), smooth_dense(grid, each, DENSE_DRAFT)
+    first, each = smooth_profile(grid, first, DENSE_DRAFT), smooth_profile(grid, each, DENSE_DRAFT)
     return monotone(_interpolate(grid, first)), monotone(_interpolate(grid, each))
 
 
