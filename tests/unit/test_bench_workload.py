@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dspark.bench import output_lengths
 
 
@@ -12,3 +14,25 @@ def test_output_lengths_are_seeded_spread_around_the_mean() -> None:
     assert min(lengths) == 16 and max(lengths) == 48  # mean/2 .. 3·mean/2, both ends reached
     assert abs(sum(lengths) / len(lengths) - 32) < 2  # the mean asked for
     assert output_lengths(3, 1) == [1, 1, 1]  # never below one token
+
+
+def test_full_steps_are_those_with_every_slot_busy(tiny_pair) -> None:
+    from dspark.bench import _merge_runs, _policy_run
+    from dspark.coordinator.engine import Engine
+    from dspark.sampling_params import SamplingParams
+
+    target, drafter = tiny_pair
+    engine = Engine(target, proposer="draft-model", drafter=drafter, policy="fixed", k=3)
+    prompts = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
+    # Lengths 4, 12, 20 at 2 in flight: the first two run together, the third joins when the
+    # first ends, and it runs on alone once the second ends: full steps, then a drained tail.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 12, 20)]
+    run = _policy_run(engine, 2, prompts, params)
+    assert run["tokens"] == 36
+    assert 0 < run["full_tokens"] < run["tokens"]  # the lone tail is not "2 in flight"
+    assert 0 < run["full_seconds"] < run["seconds"]
+    merged = _merge_runs([run])
+    assert merged["tokens_per_s_full"] == run["full_tokens"] / run["full_seconds"]
+    assert 0 < merged["full_share"] < 1
+    alone = _policy_run(engine, 3, prompts[:1], params[:1])  # never full: no rate, not zero
+    assert alone["full_tokens"] == 0 and math.isnan(_merge_runs([alone])["tokens_per_s_full"])
