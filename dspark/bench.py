@@ -341,16 +341,19 @@ def _plot_policies(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, (setting, by_conc) in zip(axes[0], results.items()):
-        concs = list(by_conc)
-        for label in next(iter(by_conc.values())):
-            ax.plot([int(c) for c in concs], [by_conc[c][label]["tokens_per_s"] for c in concs],
-                    "o-", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("requests in flight")
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(setting)
-        ax.legend(fontsize=7)
+    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 8), squeeze=False)
+    rows = (("tokens_per_s", "output tokens/s (whole batch)"),
+            ("tokens_per_s_full", "output tokens/s (every slot busy)"))
+    for (metric, ylabel), ax_row in zip(rows, axes):
+        for ax, (setting, by_conc) in zip(ax_row, results.items()):
+            concs = list(by_conc)
+            for label in next(iter(by_conc.values())):
+                ax.plot([int(c) for c in concs], [by_conc[c][label][metric] for c in concs],
+                        "o-", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("requests in flight")
+            ax.set_ylabel(ylabel)
+            ax.set_title(setting)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
