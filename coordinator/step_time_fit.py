@@ -131,6 +131,7 @@ class StepTimeFit:
         # Steady rounds' weighted moments for drafting ≈ s_f · f + s_e · e (f the profiled
         # first position, e the further ones, y measured): [Σ f², Σ f·e, Σ e², Σ f·y, Σ e·y]
         self._depth = [0.0] * 5
+        self._throughput = [0.0, 0.0]  # [tokens committed, seconds] of every step (`add_tokens`)
         self._prior_scale = 1.0  # the verify scale's prior (`add`)
         self._prior_fixed = 0.0  # the prior of a pass's fixed cost (`add`)
         self.fit = Fit()
@@ -248,6 +249,18 @@ class StepTimeFit:
             if not negative:
                 return coef[0], coef.get(1, 0.0), coef.get(2, 0.0), coef.get(3, 0.0)
             free = [i for i in free if i not in negative]
+
+    def add_tokens(self, tokens: int, seconds: float) -> None:
+        """A step of this kind committed `tokens` in `seconds` (`throughput`)."""
+        self._throughput = [FORGET * self._throughput[0] + tokens,
+                            FORGET * self._throughput[1] + seconds]
+
+    @property
+    def throughput(self) -> float | None:
+        """Tokens per second these steps committed lately (None before one was timed): what a
+        step's time is worth in tokens elsewhere, the budget's price of time (`best_plan`)."""
+        tokens, seconds = self._throughput
+        return tokens / seconds if seconds > 0 else None
 
     def add_resume(self, drafting: float, draft_seconds: float) -> Fit:
         """A drafting round after a step without one: `drafting` its profiled time (catch-up

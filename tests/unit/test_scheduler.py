@@ -923,6 +923,38 @@ def test_a_step_that_prefills_prices_its_drafts_against_its_whole_pass(name: str
     assert sync.step_time(4, [1, 0, 0, 0], depth=3) == pytest.approx(cost.verify_time(605) + 2.0)
 
 
+def test_time_is_priced_at_the_runs_own_rate_once_steps_were_timed() -> None:
+    # Regression: a step with a prompt in its pass has a long base and a low ratio of its own,
+    # and maximising that ratio took drafts whose tokens came slower than the run's rate (draft
+    # model, 4 in flight, T = 1: 0.86x `off`). Verify 1 + 0.01 B, a round 2 s; four requests
+    # at 0.6 a position. Beside 600 prompt tokens, 4 slots give (4 + 2.4) / 9.08 against
+    # 4 / 7.04 of the step alone, but 2.4 tokens for 2.04 s is under the run's 3.8 a second.
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
+                     draft_first=(2.0,))
+    ids = ("a", "b", "c", "d")
+    conf = [[0.6] * 3] * 4
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    assert policy.price_of_time(4) is None  # nothing timed yet: the step's own ratio
+    policy.draft_lengths([3] * 4, ids, prompt_tokens=600)
+    assert policy.choose_budget(drafts_of(conf, ids)) > 0
+    # Steps of this batch size committed 4 tokens in 1.04 s (the engine reports each step's
+    # commit to `observe` before timing it).
+    for _ in range(3):
+        policy.draft_lengths([3] * 4, ids)
+        d = skipped_drafts(ids)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        policy.observe(step_of(ids, planned, [0] * 4))
+        policy.observe_time(1.04, 4, 0.0, 1.04)
+    assert policy.price_of_time(4) == pytest.approx(4 / 1.04)
+    assert policy.price_of_time(16) is None  # another size's steps are another rate
+    policy.draft_lengths([3] * 4, ids, prompt_tokens=600)
+    assert policy.choose_budget(drafts_of(conf, ids)) == 0
+    # Where the round pays at that rate, the budget still takes it: 0.9 a position, every
+    # slot: 4 + 9.76 tokens in 3.16 s, 1.6 more than 3.16 s at 3.8 a second are worth.
+    easy = survivals_of(torch.full((4, 3), 0.9, dtype=torch.float64))
+    assert policy.best_plan(easy, [3] * 4, cold=0.0, prompt_tokens=0) == (12, 3)
+
+
 def test_prefill_passes_stay_out_of_the_verify_scale() -> None:
     fit = StepTimeFit()
     for i in range(60):  # decode passes as profiled; every 6th step prefills at half its profile
