@@ -544,8 +544,6 @@ class ConfidencePolicy(BudgetedPolicy):
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         k = self.budget_before_drafting(req_ids, limits)[0] if budget is None else budget
-        if k <= 0 or k >= sum(limits):  # no slot, or every slot: nothing to rank
-            return k, list(limits) if k > 0 else [0] * len(limits)
         return k, allocate_survivals(self.live_survivals(confidences), limits, k).tolist()
 
 

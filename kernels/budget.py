@@ -52,14 +52,10 @@ def allocate_ref(
 
 
 def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:
-    """Dispatch: skip the sort when the budget takes no slot or every slot; else the numpy
-    sort for CPU tensors (the scheduler's, every step: ~30 µs against the reference's ~85, whose
-    dozen torch ops each cost their dispatch), the torch reference for others."""
+    """Dispatch: the numpy sort for CPU tensors (the scheduler's, every step: ~30 µs against the
+    reference's ~85, whose dozen torch ops each cost their dispatch), skipped when the budget
+    takes no slot or every slot (`allocate_survivals`); the torch reference for others."""
     limits = num_drafts.clamp(0, confidences.shape[1])
-    if budget <= 0:
-        return torch.zeros_like(limits)
-    if budget >= int(limits.sum()):
-        return limits.clone()
     if confidences.device.type == "cpu":
         return _allocate_numpy(confidences, limits, budget)
     return allocate_ref(confidences, num_drafts, budget)
@@ -68,7 +64,7 @@ def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -
 def _allocate_numpy(
     confidences: torch.Tensor,  # [num_reqs, max_draft] on the CPU
     limits: torch.Tensor,  # [num_reqs] int64, within [0, max_draft]
-    budget: int,  # 0 < budget < Σ limits
+    budget: int,
 ) -> torch.Tensor:  # [num_reqs] int64
     """`allocate_ref` in numpy (`allocate_survivals`)."""
     surv = np.cumprod(np.clip(confidences.detach().numpy().astype(np.float64), 0.0, 1.0), axis=1)
@@ -81,8 +77,14 @@ def allocate_survivals(
     budget: int,
 ) -> np.ndarray:  # [num_reqs] int64 counts, Σ = min(budget, Σ limits)
     """Counts of the first `budget` slots of `rank_slots`: `allocate` for a caller that holds
-    survivals in numpy already (the scheduler, every step)."""
-    chosen = rank_slots(survivals, limits)[2][: max(0, budget)]
+    survivals in numpy already (the scheduler, every step). A budget of no slot or of every slot
+    needs no ranking."""
+    limits = np.asarray(limits, dtype=np.int64)
+    if budget <= 0:
+        return np.zeros_like(limits)
+    if budget >= int(limits.sum()):
+        return limits.copy()
+    chosen = rank_slots(survivals, limits)[2][:budget]
     return np.bincount(chosen, minlength=survivals.shape[0]).astype(np.int64)
 
 
