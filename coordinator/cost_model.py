@@ -95,19 +95,25 @@ class CostModel:
                    sampled: bool = False) -> tuple[np.ndarray, np.ndarray]:  # ([n], [n]) float64
         """(verify, drafting) seconds of candidate steps i = 0..n−1 that verify `num_tokens` + i
         tokens and draft `draft_positions[i]` positions ([n] int): the budget's candidates
-        K = 0, 1, ... of one batch. numpy, not torch: the budget calls this every step, where
-        each torch op's dispatch (~5 µs) costs more than its arithmetic; within the profiled
-        range the verify times are a slice of the table."""
-        table = self._verify_sampled_array if sampled and self.verify_sampled else self._verify_array
+        K = 0, 1, ... of one batch (`verify_times`, `draft_times`)."""
         positions = np.asarray(draft_positions)
-        count = positions.shape[0]
+        return (self.verify_times(num_tokens, positions.shape[0], sampled),
+                self.draft_times(num_reqs, positions, sampled))
+
+    def verify_times(self, num_tokens: int, count: int, sampled: bool = False) -> np.ndarray:
+        """[count] seconds of verify passes of `num_tokens` + i tokens, i = 0..count−1. numpy,
+        not torch: the budget calls this every step, where each torch op's dispatch (~5 µs)
+        costs more than its arithmetic; within the profiled range it is a slice of the table."""
+        table = self._verify_sampled_array if sampled and self.verify_sampled else self._verify_array
         if num_tokens >= 1 and num_tokens + count - 1 <= table.shape[0]:
-            verify = table[num_tokens - 1:num_tokens - 1 + count]
-        else:
-            verify = _lookup_many(table, num_tokens + np.arange(count))
+            return table[num_tokens - 1:num_tokens - 1 + count]
+        return _lookup_many(table, num_tokens + np.arange(count))
+
+    def draft_times(self, num_reqs: int, positions: np.ndarray, sampled: bool = False
+                    ) -> np.ndarray:  # [n] float64
+        """`draft_time` of rounds of `positions[i]` positions over `num_reqs` ([n] int)."""
         first, each = self._draft_costs(num_reqs, sampled)
-        drafting = np.where(positions > 0, positions * each + (first - each), 0.0)
-        return verify, drafting
+        return np.where(positions > 0, positions * each + (first - each), 0.0)
 
     def step_times(self, num_tokens: int, num_reqs: int, draft_positions: ArrayLike,
                    sampled: bool = False) -> np.ndarray:  # [n] float64

@@ -404,6 +404,18 @@ def test_a_parallel_drafter_drafts_only_as_deep_as_the_budget_reaches() -> None:
     assert policy.draft_lengths([1], ("a",)) == [1]  # never past the request's own cap
 
 
+def test_a_round_drafts_only_as_deep_as_the_best_slots_it_verifies() -> None:
+    # Verify passes cost 1 s whatever their size; a round 0.2 s for its first position and 1 s
+    # for each further one. Request a's survivals (.9, .85, .8, .75) outrank b's (.5, .3, .1,
+    # .05), so every prefix of the ranked slots that reaches b's first slot holds a's four:
+    # a round of 4 positions. The best prefix verifies a's first slot alone (2.9 tokens in
+    # 1.2 s); drafting one position for both and verifying both first slots earns 3.4 in 1.2 s.
+    cost = CostModel("t", verify=(1.0,) * 16, draft=(1.0, 1.0), draft_first=(0.2, 0.2))
+    policy = make_policy("confidence", 4, cost, AcceptanceTracker(4), a_priori=False)
+    surv = np.array([[0.9, 0.85, 0.8, 0.75], [0.5, 0.3, 0.1, 0.05]])
+    assert policy.best_plan(surv, [4, 4]) == (2, 1)
+
+
 def test_a_shallow_row_is_continued_with_the_realised_rates_not_zeros() -> None:
     # Regression guard: drafting to depth d < γ must not store zero survivals past d, or the
     # budget (and so the depth) could only ever shrink.
