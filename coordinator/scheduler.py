@@ -552,6 +552,18 @@ class BudgetedPolicy(Policy):
         """(K, ℓ per request) from current conditional confidences [num_reqs, max_draft]."""
         raise NotImplementedError
 
+    def budget_within(self, req_ids: tuple[str, ...], limits: list[int], budget: int | None
+                      ) -> tuple[int, list[int]]:
+        """(K, each request's admissible drafts): `budget` within `limits` (the drafts there
+        are), or, with none given (confidences known before drafting), the budget's K within
+        its depth: the round then drafts the plan, and a plan deeper than the budget priced
+        would draft deeper too (draft model, 4 in flight, T = 1: 0.89x `off` where the capped
+        plan ran at 1.00x, paired)."""
+        if budget is not None:
+            return budget, limits
+        k, depth = self.budget_before_drafting(req_ids, limits)
+        return k, [min(n, depth) for n in limits]
+
 
 class ConfidencePolicy(BudgetedPolicy):
     """Production: K from stale survivals, slots by current survivals (top-K, key (−a, j))."""
@@ -559,11 +571,8 @@ class ConfidencePolicy(BudgetedPolicy):
     name = "confidence"
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        if budget is None:  # confidences known before drafting: the round drafts the plan
-            budget, depth = self.budget_before_drafting(req_ids, limits)
-            limits = [min(n, depth) for n in limits]
-        return budget, allocate_survivals(self.live_survivals(confidences), limits,
-                                          budget).tolist()
+        k, limits = self.budget_within(req_ids, limits, budget)
+        return k, allocate_survivals(self.live_survivals(confidences), limits, k).tolist()
 
 
 class ConfidenceSyncPolicy(BudgetedPolicy):
@@ -600,7 +609,7 @@ class EqualPolicy(BudgetedPolicy):
     name = "equal"
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
-        k = self.budget_before_drafting(req_ids, limits)[0] if budget is None else budget
+        k, limits = self.budget_within(req_ids, limits, budget)
         counts = [0] * len(limits)
         left = min(k, sum(limits))
         while left > 0:

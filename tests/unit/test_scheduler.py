@@ -416,6 +416,24 @@ def test_a_round_drafts_only_as_deep_as_the_best_slots_it_verifies() -> None:
     assert policy.best_plan(surv, [4, 4]) == (2, 1)
 
 
+def test_a_plan_made_before_drafting_keeps_to_the_depth_its_budget_priced() -> None:
+    # The costs of the test above: one position for both requests beats any deeper round. With
+    # tracked confidences the plan comes before drafting and the round drafts it; request a
+    # turned out easy (its rates above the global ones), so its 2nd slot now outranks b's 1st,
+    # and the K = 2 slots taken without the budget's depth would be (2, 0): a round of two
+    # positions, priced as one.
+    cost = CostModel("t", verify=(1.0,) * 16, draft=(1.0, 1.0), draft_first=(0.2, 0.2))
+    tracker = AcceptanceTracker(3)
+    policy = make_policy("confidence", 3, cost, tracker, a_priori=True)
+    ids = ("a", "b")
+    assert policy.draft_lengths([3, 3], ids) == [1, 1]
+    for _ in range(8):
+        tracker.observe(step_of(("a",), [3], [3]))
+    rates = tracker.rates(ids)
+    assert rates[0, 0] * rates[0, 1] > rates[1, 0]  # a's 2nd slot outranks b's 1st
+    assert policy.draft_lengths([3, 3], ids) == [1, 1]
+
+
 def test_a_shallow_row_is_continued_with_the_realised_rates_not_zeros() -> None:
     # Regression guard: drafting to depth d < γ must not store zero survivals past d, or the
     # budget (and so the depth) could only ever shrink.
