@@ -228,15 +228,14 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     results: dict[str, dict] = {}
     cells = [(t, c) for t in temperatures for c in concurrencies]
     bar = tqdm(total=len(cells) * len(engines) * repeats, desc="policies", unit="run")
+    served = prompts[:-WARMUP_REQUESTS]
     for temperature, conc in cells:
         n = max(2 * conc, 8)
-        batch = [prompts[i % len(prompts)] for i in range(n)]
-        params = [SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=True, seed=i)
-                  for i, length in enumerate(output_lengths(n, max_tokens))]
         row = results.setdefault(f"T={temperature:g}", {}).setdefault(str(conc), {})
         runs: dict[str, list[dict]] = {label: [] for label in engines}
         labels = list(engines)
         for rep in range(repeats):
+            batch, params = round_workload(served, n, rep, temperature, max_tokens)
             for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
                 runs[label].append(_policy_run(engines[label], conc, batch, params))
                 bar.update()
@@ -258,6 +257,20 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
     return results
+
+
+def round_workload(prompts: list[str], n: int, rep: int, temperature: float, max_tokens: int
+                   ) -> tuple[list[str], list[SamplingParams]]:
+    """Round `rep`'s closed batch of `n` requests: its own prompts (the next `n` of `prompts`,
+    wrapping), seeds and lengths (`output_lengths`), served by every arm of the round alike.
+    With one batch for every round a cell measured one text at every repeat: where `confidence`
+    idled on a few hard requests it did so at each repeat (1 in flight, T = 1: the same 30-step
+    idle stretch in every round), and the cell's figure was that text's, not the policy's."""
+    batch = [prompts[(rep * n + i) % len(prompts)] for i in range(n)]
+    params = [SamplingParams(temperature=temperature, max_tokens=length, ignore_eos=True,
+                             seed=rep * n + i)
+              for i, length in enumerate(output_lengths(n, max_tokens, seed=rep))]
+    return batch, params
 
 
 def output_lengths(n: int, mean: int, seed: int = 0) -> list[int]:

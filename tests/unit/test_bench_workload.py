@@ -1,10 +1,11 @@
-"""The policy benchmark's workload: spread output lengths (`dspark.bench.output_lengths`)."""
+"""The policy benchmark's workload: spread output lengths (`dspark.bench.output_lengths`), a new
+batch each round (`round_workload`), and the steps with every slot busy."""
 
 from __future__ import annotations
 
 import math
 
-from dspark.bench import output_lengths
+from dspark.bench import output_lengths, round_workload
 
 
 def test_output_lengths_are_seeded_spread_around_the_mean() -> None:
@@ -14,6 +15,18 @@ def test_output_lengths_are_seeded_spread_around_the_mean() -> None:
     assert min(lengths) == 16 and max(lengths) == 48  # mean/2 .. 3·mean/2, both ends reached
     assert abs(sum(lengths) / len(lengths) - 32) < 2  # the mean asked for
     assert output_lengths(3, 1) == [1, 1, 1]  # never below one token
+
+
+def test_each_round_serves_its_own_prompts_seeds_and_lengths() -> None:
+    prompts = [f"p{i}" for i in range(10)]
+    first, again = round_workload(prompts, 4, 0, 1.0, 32), round_workload(prompts, 4, 0, 1.0, 32)
+    assert first == again  # every arm of a round serves the same requests
+    second = round_workload(prompts, 4, 1, 1.0, 32)
+    assert first[0] == ["p0", "p1", "p2", "p3"] and second[0] == ["p4", "p5", "p6", "p7"]
+    assert round_workload(prompts, 4, 2, 1.0, 32)[0] == ["p8", "p9", "p0", "p1"]  # wraps
+    assert [p.seed for p in first[1]] == [0, 1, 2, 3] and [p.seed for p in second[1]] == [4, 5, 6, 7]
+    assert [p.max_tokens for p in second[1]] == output_lengths(4, 32, seed=1)
+    assert all(p.temperature == 1.0 and p.ignore_eos for p in first[1] + second[1])
 
 
 def test_full_steps_are_those_with_every_slot_busy(tiny_pair) -> None:
