@@ -262,16 +262,15 @@ class BudgetedPolicy(Policy):
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self._prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
-        # Candidates [n]: K slots, their tokens and the round's depth; K = 0 first.
-        caps = np.arange(1, 1 + (int(pos.max()) if drafted is None and pos.size else 0))
-        if caps.size > 1:
-            keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
-            counts = np.cumsum(keep, axis=1)[keep]
-            sums = np.cumsum(np.where(keep, a, 0.0), axis=1)[keep]
-            depths = np.maximum.accumulate(np.where(keep, pos, 0), axis=1)[keep]
-        else:  # a probe's round, or a single position: the prefixes of the whole order
-            counts, sums = np.arange(1, a.size + 1), np.cumsum(a)
-            depths = np.maximum.accumulate(pos) if drafted is None else np.full(a.size, drafted)
+        # Candidates [n]: K slots, their tokens and the round's depth; K = 0 first. A probe's
+        # round is paid whatever its depth: its candidates are the prefixes of the whole order.
+        top = int(pos.max()) if pos.size else 0
+        caps = np.arange(1, top + 1) if drafted is None else np.array([top])
+        keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
+        counts = np.cumsum(keep, axis=1)[keep]
+        sums = np.cumsum(np.where(keep, a, 0.0), axis=1)[keep]
+        depths = (np.maximum.accumulate(np.where(keep, pos, 0), axis=1)[keep] if drafted is None
+                  else np.full(counts.size, drafted))
         counts = np.concatenate(([0], counts))
         tokens = num_reqs + np.concatenate(([0.0], sums))
         depths = np.concatenate(([0 if drafted is None else drafted], depths))
