@@ -91,20 +91,13 @@ class CostModel:
         return (self.verify_time(num_tokens, sampled)
                 + self.draft_time(num_reqs, draft_positions, sampled))
 
-    def step_parts(self, num_tokens: int, num_reqs: int, draft_positions: ArrayLike,
-                   sampled: bool = False) -> tuple[np.ndarray, np.ndarray]:  # ([n], [n]) float64
-        """(verify, drafting) seconds of candidate steps i = 0..n−1 that verify `num_tokens` + i
-        tokens and draft `draft_positions[i]` positions ([n] int): the budget's candidates
-        K = 0, 1, ... of one batch (`verify_times`, `draft_times`)."""
-        positions = np.asarray(draft_positions)
-        return (self.verify_times(num_tokens, positions.shape[0], sampled),
-                self.draft_times(num_reqs, positions, sampled))
-
     def verify_times(self, num_tokens: int, count: int, sampled: bool = False) -> np.ndarray:
-        """[count] seconds of verify passes of `num_tokens` + i tokens, i = 0..count−1. numpy,
+        """[count] seconds of verify passes of `num_tokens` + i tokens, i = 0..count−1: the
+        budget's candidate passes of one batch (`draft_times` their rounds). numpy,
         not torch: the budget calls this every step, where each torch op's dispatch (~5 µs)
         costs more than its arithmetic; within the profiled range it is a slice of the table."""
-        table = self._verify_sampled_array if sampled and self.verify_sampled else self._verify_array
+        sampled = sampled and bool(self.verify_sampled)
+        table = self._verify_sampled_array if sampled else self._verify_array
         if num_tokens >= 1 and num_tokens + count - 1 <= table.shape[0]:
             return table[num_tokens - 1:num_tokens - 1 + count]
         return _lookup_many(table, num_tokens + np.arange(count))
@@ -114,12 +107,6 @@ class CostModel:
         """`draft_time` of rounds of `positions[i]` positions over `num_reqs` ([n] int)."""
         first, each = self._draft_costs(num_reqs, sampled)
         return np.where(positions > 0, positions * each + (first - each), 0.0)
-
-    def step_times(self, num_tokens: int, num_reqs: int, draft_positions: ArrayLike,
-                   sampled: bool = False) -> np.ndarray:  # [n] float64
-        """`step_time` of `step_parts`' candidate steps."""
-        verify, drafting = self.step_parts(num_tokens, num_reqs, draft_positions, sampled)
-        return verify + drafting
 
     @functools.cached_property
     def _verify_array(self) -> np.ndarray:  # [B_max] float64, built once (frozen tables)

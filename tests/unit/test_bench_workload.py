@@ -24,7 +24,8 @@ def test_each_round_serves_its_own_prompts_seeds_and_lengths() -> None:
     second = round_workload(prompts, 4, 1, 1.0, 32)
     assert first[0] == ["p0", "p1", "p2", "p3"] and second[0] == ["p4", "p5", "p6", "p7"]
     assert round_workload(prompts, 4, 2, 1.0, 32)[0] == ["p8", "p9", "p0", "p1"]  # wraps
-    assert [p.seed for p in first[1]] == [0, 1, 2, 3] and [p.seed for p in second[1]] == [4, 5, 6, 7]
+    assert [p.seed for p in first[1]] == [0, 1, 2, 3]
+    assert [p.seed for p in second[1]] == [4, 5, 6, 7]
     assert [p.max_tokens for p in second[1]] == output_lengths(4, 32, seed=1)
     assert all(p.temperature == 1.0 and p.ignore_eos for p in first[1] + second[1])
 
