@@ -281,13 +281,7 @@ class BudgetedPolicy(Policy):
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold, further,
                                               counts > 0)
         times[0 if drafted else 1:] += catch_up
-        theta = tokens / times
         price = self.price_of_time(num_reqs)
-        if price is None:
-            best = int(np.argmax(theta))  # the first maximum: the shallowest, smallest K on ties
-            if best and theta[best] < (1 + margin) * theta[0]:
-                best = 0
-            return int(counts[best]), int(depths[best]) if best else 0
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach), not of its own
         # ratio; where Θ* equals the step's best ratio the two agree. A step whose base is long
@@ -297,11 +291,16 @@ class BudgetedPolicy(Policy):
         # decode step whose own ratio is above the run's declined drafts that paid at the
         # run's rate (16 in flight, T = 1: 11.5 drafts verified a step against 37 priced at Θ*,
         # 1.015x against 1.035x `off` side by side).
-        score = tokens - price * times
-        best = int(np.argmax(score))  # the first maximum: the shallowest, smallest K on ties
-        if best and score[best] - score[0] < margin * price * times[best]:
-            best = 0  # the ratio test's margin in these terms (equal where Θ* = Θ(0))
-        return int(counts[best]), int(depths[best]) if best else 0
+        if price is None:  # before steps of this kind were timed: each step's own ratio
+            value = tokens / times
+            gain = value / value[0] - 1.0
+        else:
+            value = tokens - price * times
+            gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
+        best = int(np.argmax(value))  # the first maximum: the shallowest, smallest K on ties
+        if best == 0 or gain[best] < margin:
+            return 0, 0
+        return int(counts[best]), int(depths[best])
 
     def price_of_time(self, num_reqs: int) -> float | None:
         """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) committed
