@@ -17,8 +17,9 @@ Policies (one interface, `coordinator.policy.Policy`):
   inputs cannot leak the current tokens, so the global argmax is safe. A step's time counts the
   drafting round (cold after idle steps) and the rows an idle drafter must catch up on first.
   Once steps of the batch's kind were timed, the argmax is of E[tokens] − Θ* · step_time at the
-  rate Θ* those steps committed (`price_of_time`): the run's tokens per second, a ratio of sums,
-  is what is maximised, and a step with a prompt in its pass has a ratio of its own far below it.
+  rate Θ* those steps committed (`price_of_time`, the decode steps' tokens per second): the
+  run's tokens per second, a ratio of sums, is what is maximised, and a step with a prompt in
+  its pass has a ratio of its own far below it.
 
 Confidence only prioritises: whatever is admitted is still verified by the target.
 When confidences do not depend on the drafts (tracked acceptance rates), the whole plan is made
@@ -46,6 +47,13 @@ PROBE_REQUESTS = 2  # ... for this many requests of the batch (a round costs ~R)
 PROBE_EVERY_ALONE = 4  # ... and every this many steps for a lone request (`probe_interval`);
 PROBE_MAX_GAP = 128  # each probe that finds speculation still not worth it doubles the gap to this
 RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
+# Where a kind of batch's step-time fit holds less than this weight of decode passes without
+# drafts (`StepTimeFit.idle_weight`: ~100 steps since the last ones) ...
+IDLE_EVIDENCE = 0.25
+EXPLORE_STEPS = 3  # ... its next steps verify nothing, this many in a row (`_explores_idle`),
+# ... where K = 0 would have won the last plan had its time been priced less than this much
+# (a fraction) too dear (`BudgetedPolicy._flip`)
+EXPLORE_ERROR = 1.0
 
 
 class RoundInFlight(NamedTuple):
@@ -126,6 +134,8 @@ class BudgetedPolicy(Policy):
         self._last_drafted: dict[str, int] = {}  # request -> the last step it drafted
         self._last_round = 0  # the last step whose round drafted anything (speculation or a probe)
         self._idle_probes = 0  # probes since the last step with K > 0 (`probe_interval`)
+        self._explore_left = 0  # further steps of a stretch with K = 0 (`_explores_idle`)
+        self._flip = 0.0  # K = 0's overpricing that would have flipped the last plan (`best_plan`)
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
@@ -156,6 +166,8 @@ class BudgetedPolicy(Policy):
                         ) -> tuple[float, float, float]:
         """(verify, drafting, further) seconds the profile gives a step of this batch's kind;
         `further` is the part of `drafting` for the positions beyond the round's first."""
+        if depth <= 0:  # no round (most steps where speculation does not pay)
+            return self.cost.verify_time(num_tokens, self._sampled), 0.0, 0.0
         return (self.cost.verify_time(num_tokens, self._sampled),
                 self.cost.draft_time(num_reqs, depth, self._sampled),
                 float(self.cost.further_time(num_reqs, depth, self._sampled)))
@@ -215,9 +227,9 @@ class BudgetedPolicy(Policy):
         key = (self._sampled, num_reqs.bit_length())
         fit = self._fits.setdefault(key, StepTimeFit())
         if self._committed is not None:  # `observe` saw this step's commit
-            fit.add_tokens(self._committed, seconds)
+            fit.add_tokens(self._committed, seconds, prefill=num_tokens > decode_tokens)
             self._committed = None
-        if cold:
+        if cold and depth > 0:
             # The pass's excess over a steady one, read only from a decode pass: the verify fit
             # knows nothing of prompts (at 64 in flight most cold rounds ran beside one, and
             # their "excess" set the premium to its cap and the budget idled for good).
@@ -228,8 +240,15 @@ class BudgetedPolicy(Policy):
         # (`StepTimeFit`): their scale and fixed cost are the priors of larger batches'.
         alone = self._fits.get((self._sampled, 1))
         prior = alone.fit if alone is not None and alone.knows_verify and num_reqs > 1 else Fit()
+        # The first pass after the drafter stopped runs as the one after a round (the target's
+        # weights evicted: 7.5 ms against 6.6 three steps on, 4 in flight): not what a step
+        # without drafts costs while not speculating, the K = 0 the budget prices.
+        stopped = depth == 0 and not cold
+        if stopped and num_tokens == decode_tokens:
+            fit.add_stop(fit.fit.verify_time(verify, num_reqs), verify_seconds)
         fit.add(
-            verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds, steady,
+            verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds,
+            steady and not stopped,
             prefill=num_tokens > decode_tokens, prior_scale=prior.verify_scale, further=further,
             prior_fixed=prior.verify_fixed, verifies_drafts=decode_tokens > num_reqs)
         self._in_flight = None
@@ -281,6 +300,9 @@ class BudgetedPolicy(Policy):
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold, further,
                                               counts > 0)
         times[0 if drafted else 1:] += catch_up
+        if drafted is None and not self._cold:  # K = 0 stops speculating: the next pass pays
+            fit = self.time_fit(num_reqs)
+            times[0] += (fit.stop_scale - 1.0) * fit.verify_time(verify[0], num_reqs)
         price = self.price_of_time(num_reqs)
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach), not of its own
@@ -298,9 +320,23 @@ class BudgetedPolicy(Policy):
             value = tokens - price * times
             gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
         best = int(np.argmax(value))  # the first maximum: the shallowest, smallest K on ties
+        if drafted is None:
+            self._flip = self._flip_error(float(times[0]), float(tokens[best] / times[best]),
+                                          float(value[best]), num_reqs, price)
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
+
+    @staticmethod
+    def _flip_error(idle_time: float, best_rate: float, best_value: float, num_reqs: int,
+                    price: float | None) -> float:
+        """By how much (a fraction) K = 0's `idle_time` must overstate its cost for K = 0 to
+        beat the best plan (its `best_rate` tokens a second, its `best_value` at `price`); 0
+        where K = 0 is the best plan, inf where it cannot win at any cost."""
+        if price is None:  # ratios: K = 0 wins once R / t0 reaches the best rate
+            return max(0.0, idle_time * best_rate / num_reqs - 1.0)
+        room = num_reqs - best_value  # K = 0 wins once R − price · t0 reaches the best value
+        return max(0.0, price * idle_time / room - 1.0) if room > 0 else float("inf")
 
     def price_of_time(self, num_reqs: int) -> float | None:
         """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) committed
@@ -377,15 +413,20 @@ class BudgetedPolicy(Policy):
         self._caps = dict(zip(req_ids, caps))
         self._cold = self._last_round != self._steps - 1
         self._prompt_tokens = prompt_tokens
+        explore = self._explores_idle(len(req_ids))
         if self.a_priori:
             conf = self.tracker.rates(req_ids)[:, : self.gamma]
-            self._budget, self._planned = self.plan_from(req_ids, conf, limits)
+            self._budget, self._planned = (0, [0] * len(limits)) if explore else self.plan_from(
+                req_ids, conf, limits)
             self._idle = self._budget == 0
             # Remember the whole γ-long rows, not only what gets drafted: a step that verifies
             # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
             self._remember(req_ids, survivals_of(conf))
             return list(self._planned)
-        if self._idle_plan_holds(req_ids, limits):
+        if explore:
+            self._budget, depth = 0, 0
+            self._idle_plan = None
+        elif self._idle_plan_holds(req_ids, limits):
             self._budget, depth = 0, 0
         else:
             self._budget, depth = self.budget_before_drafting(req_ids, limits)
@@ -408,6 +449,34 @@ class BudgetedPolicy(Policy):
         drafts = [n if i in probed else 0 for i, n in enumerate(limits)]
         self._budget = self.probe_budget(req_ids, drafts)
         return drafts
+
+    def _explores_idle(self, num_reqs: int) -> bool:
+        """Whether this step verifies nothing (and drafts nothing but a probe) to learn what
+        such a step costs: EXPLORE_STEPS steps in a row, once the fit of this kind of batch
+        holds less than IDLE_EVIDENCE of passes without drafts, outside steps that prefill.
+
+        The price of K = 0 comes from the verify fit, whose fixed cost, cost per sequence and
+        scale a budget that keeps speculating learns from passes with drafts only: K = 0 is
+        then an extrapolation, and it errs high (the pass after a drafting round runs with the
+        target's weights evicted, and the profile's slope carries sequences a live batch does
+        not add). Measured at 4 in flight, T = 1, where speculation did not pay: K = 0 priced
+        at 7.9 ms a step, steps without drafts taking 6.4–6.7 ms, so `confidence` speculated
+        in every full step at 0.53 tokens a ms where not speculating made 0.62 (0.87x `off`).
+        The error keeps itself: a budget that never chooses K = 0 never measures it. So a few
+        steps every ~100 measure it (3 idle steps and a cold round: ~0.4% of the time where
+        speculation pays 30%), unless K = 0 would have lost the last plan even priced
+        EXPLORE_ERROR too dear, far beyond any such error."""
+        if self._prompt_tokens:
+            return False
+        if self._explore_left > 0:
+            self._explore_left -= 1
+            return True
+        fit = self._fits.get((self._sampled, num_reqs.bit_length()))
+        if (self._idle or self._flip >= EXPLORE_ERROR or fit is None or not fit.knows_verify
+                or fit.idle_weight >= IDLE_EVIDENCE):
+            return False
+        self._explore_left = EXPLORE_STEPS - 1
+        return True
 
     def probe_budget(self, req_ids: tuple[str, ...], drafts: list[int]) -> int:
         """K for a probe's round (`drafts` positions per request, 0 for those not probed). Its
@@ -456,8 +525,11 @@ class BudgetedPolicy(Policy):
         if self._planned is None:
             assert drafts.confidences is not None, "AcceptanceTracker.fill supplies confidences"
             limits = drafts.num_drafts.tolist()
-            self._budget, self._planned = self.plan_from(
-                drafts.req_ids, drafts.confidences, limits, self._budget)
+            if not any(limits):  # nothing drafted (an idle step): nothing to allocate
+                self._planned = limits
+            else:
+                self._budget, self._planned = self.plan_from(
+                    drafts.req_ids, drafts.confidences, limits, self._budget)
         return self._budget
 
     def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
@@ -480,7 +552,7 @@ class BudgetedPolicy(Policy):
         # (its prompt's rows are still in the target's pass) ran none, and the next is cold.
         if any(drafted):
             self._last_round = self._steps
-        if not self.a_priori and drafts.confidences is not None:
+        if not self.a_priori and drafts.confidences is not None and any(drafted):
             self._remember(drafts.req_ids, self.live_survivals(drafts.confidences), drafted)
         return planned
 

@@ -69,6 +69,9 @@ RIDGE = 0.05  # weight of the verify scale's prior, as a share of the passes' ow
 # further positions' own weight (`StepTimeFit._drafting_split`): weak, so rounds of a few
 # depths pull the two apart within tens of steps.
 DEPTH_RIDGE = 0.02
+# The price of time is the decode steps' rate where they take more than this share of the time
+# (`StepTimeFit.throughput`), else every step's.
+DECODE_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class Fit:
     further_scale: float | None = None
     verify_fixed: float = 0.0  # seconds a pass takes beyond its profile whatever its size
     verify_drafts: float = 0.0  # and beyond that when it verifies drafts (acceptance's own work)
+    # The first pass without drafts after a round, over a steady one (`StepTimeFit.add_stop`)
+    stop_scale: float = 1.0
 
     def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: float = 0.0,
               further: Any = 0.0, verifies_drafts: Any = None) -> Any:
@@ -122,6 +127,7 @@ class StepTimeFit:
         #  other of steps without a round, their R, other of steps with one, their R]
         self._sums = [0.0] * 6
         self._resume = [0.0, 0.0]  # [profiled, measured] drafting of rounds after idle steps
+        self._stop = [0.0, 0.0]  # [predicted steady, measured] first passes after a round
         # Decode passes' weighted moments for verify ≈ s · x + c + v · r + d · h (x profiled,
         # y measured, r = R − 1 sequences beyond one, h = 1 when it verified drafts),
         # z = (x, 1, r, h): Σ z zᵀ and Σ z y
@@ -131,15 +137,34 @@ class StepTimeFit:
         # Steady rounds' weighted moments for drafting ≈ s_f · f + s_e · e (f the profiled
         # first position, e the further ones, y measured): [Σ f², Σ f·e, Σ e², Σ f·y, Σ e·y]
         self._depth = [0.0] * 5
-        self._throughput = [0.0, 0.0]  # [tokens committed, seconds] of every step (`add_tokens`)
+        # [tokens committed, seconds] of decode steps, and of every step (`add_tokens`)
+        self._throughput = [0.0, 0.0, 0.0, 0.0]
         self._prior_scale = 1.0  # the verify scale's prior (`add`)
         self._prior_fixed = 0.0  # the prior of a pass's fixed cost (`add`)
-        self.fit = Fit()
+        self._fit = Fit()
+        self._stale = False  # sums changed since `_fit` was solved for
+
+    @property
+    def fit(self) -> Fit:
+        """The fit of the steps added so far, solved again only when read after a change:
+        steps are added every step, read only where the budget plans (an idle step whose
+        plan holds reads nothing)."""
+        if self._stale:
+            self._fit, self._stale = self._refit(), False
+        return self._fit
 
     @property
     def knows_verify(self) -> bool:
         """Whether a decode pass entered the verify fit."""
         return self._verify_zz[0][0] > 0
+
+    @property
+    def idle_weight(self) -> float:
+        """The weight (in steps, decayed like every sum) of decode passes without drafts in
+        the verify fit: what it knows of a step that does not speculate. Where it is ~0 the
+        price of K = 0 is an extrapolation from passes with drafts (`BudgetedPolicy`'s
+        exploration)."""
+        return self._verify_zz[1][1] - self._verify_zz[3][3]
 
     @property
     def knows_drafting(self) -> bool:
@@ -150,7 +175,7 @@ class StepTimeFit:
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
             verify_seconds: float, draft_seconds: float, steady: bool = True,
             prefill: bool = False, prior_scale: float = 1.0, further: float = 0.0,
-            prior_fixed: float = 0.0, verifies_drafts: bool = False) -> Fit:
+            prior_fixed: float = 0.0, verifies_drafts: bool = False) -> None:
         """One step: `verify`, `drafting` its profiled parts; `seconds` its measured end-to-end
         time, `verify_seconds` and `draft_seconds` the parts spent in those calls. A round that
         is not `steady` (it first caught up on rows it missed, often cold too) only bounds a
@@ -172,7 +197,8 @@ class StepTimeFit:
         if prefill or not steady:
             verify = verify_seconds = 0.0
         others = float(max(num_reqs - 1, 0)) if verify > 0 else 0.0  # sequences beyond one
-        bound = MAX_RATIO * max(verify, self.fit.verify_time(verify, num_reqs, verifies_drafts))
+        # The bound reads the fit as last solved (one step old at most): a cap, not an estimate.
+        bound = MAX_RATIO * max(verify, self._fit.verify_time(verify, num_reqs, verifies_drafts))
         verify_seconds = min(verify_seconds, bound)
         idle = (0.0, 0.0) if with_round else (other, float(num_reqs))
         busy = (other, float(num_reqs)) if with_round else (0.0, 0.0)
@@ -189,7 +215,7 @@ class StepTimeFit:
                            for row, zi in zip(self._verify_zz, z)]
         self._verify_zy = [FORGET * m + zi * verify_seconds for m, zi in zip(self._verify_zy, z)]
         self._prior_scale, self._prior_fixed = prior_scale, prior_fixed
-        return self._refit()
+        self._stale = True
 
     def _drafting_split(self) -> tuple[float | None, float | None]:
         """(s_f, s_e) of drafting ≈ s_f · first + s_e · further: least squares over the
@@ -250,19 +276,31 @@ class StepTimeFit:
                 return coef[0], coef.get(1, 0.0), coef.get(2, 0.0), coef.get(3, 0.0)
             free = [i for i in free if i not in negative]
 
-    def add_tokens(self, tokens: int, seconds: float) -> None:
-        """A step of this kind committed `tokens` in `seconds` (`throughput`)."""
-        self._throughput = [FORGET * self._throughput[0] + tokens,
-                            FORGET * self._throughput[1] + seconds]
+    def add_tokens(self, tokens: int, seconds: float, prefill: bool = False) -> None:
+        """A step of this kind committed `tokens` in `seconds`; `prefill`: its pass also took
+        in a prompt (`throughput`)."""
+        decode = (0.0, 0.0) if prefill else (tokens, seconds)
+        self._throughput = [FORGET * old + x for old, x in
+                            zip(self._throughput, (*decode, tokens, seconds))]
 
     @property
     def throughput(self) -> float | None:
-        """Tokens per second these steps committed lately (None before one was timed): what a
-        step's time is worth in tokens elsewhere, the budget's price of time (`best_plan`)."""
-        tokens, seconds = self._throughput
-        return tokens / seconds if seconds > 0 else None
+        """Tokens per second that decode steps (passes without a prompt) committed lately,
+        else every step (None before one was timed): what a step's time is worth in tokens
+        elsewhere, the budget's price of time (`best_plan`).
 
-    def add_resume(self, drafting: float, draft_seconds: float) -> Fit:
+        Decode steps, because a prompt's pass is paid once per request whatever the budget
+        does: what time could buy elsewhere is decode tokens. Priced at the rate of every step
+        (4 in flight, T = 1: 0.42 tokens a ms, 0.6 in decode steps, the prompts' passes taking
+        30% of the time), each decode step bought drafts at 0.53 tokens a ms where not
+        speculating made 0.6–0.65 (0.86x `off`). Where nearly every step takes in a prompt
+        (64 in flight) all steps are what there is."""
+        tokens, seconds, all_tokens, all_seconds = self._throughput
+        if seconds > DECODE_SHARE * all_seconds:
+            return tokens / seconds
+        return all_tokens / all_seconds if all_seconds > 0 else None
+
+    def add_resume(self, drafting: float, draft_seconds: float) -> None:
         """A drafting round after a step without one: `drafting` its profiled time (catch-up
         rows left out), `draft_seconds` what it took, with what the verify pass after it took
         beyond a steady step's. On a CPU such a round runs cold (the drafter's weights left the
@@ -273,22 +311,38 @@ class StepTimeFit:
         ones, the few that a mostly idle budget ran set the verify scale to 1.7 and priced
         steady speculation 24% too dear."""
         if drafting <= 0:
-            return self.fit
+            return
         new = (drafting, min(max(0.0, draft_seconds), MAX_RATIO * drafting))
         self._resume = [FORGET * old + x for old, x in zip(self._resume, new)]
-        return self._refit()
+        self._stale = True
+
+    def add_stop(self, steady: float, seconds: float) -> None:
+        """The first pass without drafts after a round took `seconds` where a steady one (the
+        fit's) takes `steady`: the drafter evicted the target's weights, and the next few
+        passes run slower too (4 in flight: 7.5, 7.3, 7.1, 6.9 ms, 6.6 from then on). A
+        switching cost of stopping speculation, as `add_resume`'s is of resuming it."""
+        if steady <= 0:
+            return
+        new = (steady, min(max(0.0, seconds), MAX_RATIO * steady))
+        self._stop = [FORGET * old + x for old, x in zip(self._stop, new)]
+        self._stale = True
 
     def _refit(self) -> Fit:
         pd, md, idle_other, idle_reqs, busy_other, busy_reqs = self._sums
         rp, rm = self._resume
-        idle = idle_other / idle_reqs if idle_reqs > 0 else None
         busy = busy_other / busy_reqs if busy_reqs > 0 else None
-        # One kind of step not measured yet: the other's rate serves both.
+        # One kind of step not measured yet: the other's rate serves both; and steps without
+        # a round last measured long ago (their weight decayed below one request's) give way
+        # to it too: a ratio of decayed sums keeps its value forever, and the other work of a
+        # few idle steps at start-up priced K = 0 for good after the machine had sped up 100x.
+        fresh = idle_reqs >= 1.0 or busy is None
+        idle = idle_other / idle_reqs if idle_reqs > 0 and fresh else None
         per_request = idle if idle is not None else (busy or 0.0)
         scale, fixed, per_sequence, drafts = self._verify_fit()
-        self.fit = Fit(scale, per_sequence, md / pd if pd > 0 else 1.0, per_request,
-                       rm / rp if rp > 0 else 1.0, busy, *self._drafting_split(), fixed, drafts)
-        return self.fit
+        sp, sm = self._stop
+        return Fit(scale, per_sequence, md / pd if pd > 0 else 1.0, per_request,
+                   rm / rp if rp > 0 else 1.0, busy, *self._drafting_split(), fixed, drafts,
+                   max(1.0, sm / sp) if sp > 0 else 1.0)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

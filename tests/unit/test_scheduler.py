@@ -915,7 +915,7 @@ def test_the_cost_per_sequence_does_not_price_speculation_out_of_a_large_batch()
     assert fit.verify_per_sequence == pytest.approx(1.0, rel=0.02)
     surv = survivals_of(torch.full((8, 3), 0.6, dtype=torch.float64))
     assert policy.best_budget(surv, [3] * 8) > 0
-    policy._fits[(False, 4)].fit = Fit(verify_scale=8.8 / 1.8)  # the scale alone, as before
+    policy._fits[(False, 4)]._fit = Fit(verify_scale=8.8 / 1.8)  # the scale alone, as before
     assert policy.best_budget(surv, [3] * 8) == 0
 
 
@@ -1046,3 +1046,112 @@ def test_a_cold_rounds_premium_is_spread_over_the_steps_left() -> None:
     assert cold_policy().time_fit(1).resume_scale == pytest.approx(3.0)
     assert cold_policy().draft_lengths([100], ("a",)) == [3]
     assert cold_policy().draft_lengths([3], ("a",)) == [0]
+
+
+def run_batch(policy, cost, ids, conf, steps, evict=1.0, budgets=None):  # noqa: ANN001, ANN201
+    """`steps` steps of `policy` over `ids`, the drafts' confidences `conf` for each position:
+    verify as profiled, plus `evict` seconds for a pass after a round in this or the previous
+    step (the drafter evicted the target's weights), a round 0.5 s; a request verifying ℓ
+    drafts accepts Σ_{j<=ℓ} a_j of them on average (alternating the integers around it).
+    Appends (K, depth drafted) per step to `budgets`."""
+    budgets = [] if budgets is None else budgets
+    drafted_before = False
+    survival = np.cumprod(conf)
+    for t in range(len(budgets), len(budgets) + steps):
+        lengths = policy.draft_lengths([len(conf)] * len(ids), ids)
+        d = drafts_of([conf] * len(ids), ids) if any(lengths) else skipped_drafts(ids)
+        k = policy.choose_budget(d)
+        planned = policy.plan_verification(d, k)
+        mean = [float(survival[:p].sum()) for p in planned]
+        accepted = [int((t + 1) * m) - int(t * m) for m in mean]
+        policy.observe(step_of(ids, planned, accepted))
+        tokens = len(ids) + sum(planned)
+        drafted = any(lengths)
+        verify = cost.verify_time(tokens) + (evict if drafted or drafted_before else 0.0)
+        policy.observe_time(verify + 0.5 * drafted, tokens, 0.5 * drafted, verify)
+        budgets.append((k, max(lengths)))
+        drafted_before = drafted
+    return budgets
+
+
+def test_a_budget_that_keeps_speculating_measures_what_not_speculating_costs(monkeypatch) -> None:  # noqa: ANN001
+    # Regression: the price of K = 0 came from a verify fit that a budget which kept
+    # speculating learned from passes with drafts only, each 1 s dearer than its profile (the
+    # round evicted the target's weights): K = 0 priced 2.04 s for 4 tokens, against 2.66 s for
+    # 8 with drafts, so it speculated for good while a step without drafts took 1.04 s (4
+    # in flight, T = 1: 0.87x `off`). A few steps with K = 0 measure it, and the budget idles.
+    from dspark.coordinator import scheduler
+    from dspark.coordinator.scheduler import EXPLORE_STEPS
+
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 65)), draft=(0.0,),
+                     draft_first=(0.5,))
+    ids = ("a", "b", "c", "d")
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    budgets = run_batch(policy, cost, ids, [0.6] * 3, 1)
+    while budgets[-1][0] > 0:
+        run_batch(policy, cost, ids, [0.6] * 3, 1, budgets=budgets)
+    assert 1 < len(budgets) <= 5 and all(k == 12 for k, _ in budgets[:-1])
+    run_batch(policy, cost, ids, [0.6] * 3, EXPLORE_STEPS - 1, budgets=budgets)
+    # The first pass after the round (1 s dearer) stayed out: K = 0 is priced as measured after.
+    assert policy.step_time(4, [0] * 4) == pytest.approx(cost.verify_time(4), rel=0.02)
+    budgets = run_batch(policy, cost, ids, [0.6] * 3, 100, budgets=budgets)
+    assert all(k == 0 for k, _ in budgets[-100:])
+    # Without exploring, the same batch speculates throughout.
+    monkeypatch.setattr(scheduler, "IDLE_EVIDENCE", 0.0)
+    blind = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    assert all(k == 12 for k, _ in run_batch(blind, cost, ids, [0.6] * 3, 100))
+
+
+@pytest.mark.parametrize(("conf", "explored"), [(0.95, 0), (0.7, 2)])
+def test_speculation_is_interrupted_to_measure_k0_only_where_the_choice_is_close(
+        conf: float, explored: int) -> None:
+    # At 0.95 a position (14.8 tokens in 1.86 s against 4 in 1.24 s) K = 0 would win only
+    # were its time priced 2x too dear: once the budget reads the drafter's rows (from step 3
+    # on; the prior's before) no step is given up to measure it. At 0.7 (10.1 tokens) K = 0
+    # would win at ~1.4x: EXPLORE_STEPS steps every ~100, with speculation between.
+    from dspark.coordinator.scheduler import EXPLORE_STEPS
+
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 65)), draft=(0.0,),
+                     draft_first=(0.5,))
+    ids = ("a", "b", "c", "d")
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    budgets = run_batch(policy, cost, ids, [conf] * 3, 300, evict=0.2)
+    idle = [i for i, (k, _) in enumerate(budgets) if k == 0 and i >= 10]
+    assert len(idle) == explored * EXPLORE_STEPS
+    assert all(k > 0 for k, _ in budgets[-50:])
+
+
+def test_time_is_priced_at_the_rate_of_decode_steps_not_of_prompts_passes() -> None:
+    # Regression: priced at the rate of every step, prompts' passes included (4 in flight,
+    # T = 1: 30% of the time at a fifth of the decode steps' rate), each decode step bought
+    # drafts at 0.53 tokens a ms where not speculating made 0.62 (0.86x `off`).
+    fit = StepTimeFit()
+    for i in range(100):
+        fit.add_tokens(4, 0.006)
+        if i % 5 == 0:
+            fit.add_tokens(4, 0.035, prefill=True)
+    assert fit.throughput == pytest.approx(4 / 0.006)
+    prompts = StepTimeFit()  # nearly every step takes in a prompt: all steps are the rate
+    for i in range(100):
+        prompts.add_tokens(4, 0.035, prefill=True)
+        if i % 50 == 0:
+            prompts.add_tokens(4, 0.006)
+    assert 4 / 0.035 < prompts.throughput < 4 / 0.03
+    # Through the policy: four requests at 0.6 a position, verify 1 + 0.01 B, a round 2 s.
+    # Decode steps make 4 tokens in 1.04 s; every third step prefills a prompt in 7 s. Priced
+    # at every step's rate (12 / 9.08 a second), 12 slots (8.7 tokens in 3.16 s) looked worth
+    # taking; at the decode steps' rate (3.85 a second) they are not.
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
+                     draft_first=(2.0,))
+    ids = ("a", "b", "c", "d")
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    for i in range(30):
+        prompt = 300 if i % 3 == 2 else 0
+        policy.draft_lengths([3] * 4, ids, prompt_tokens=prompt)
+        d = skipped_drafts(ids)
+        policy.plan_verification(d, policy.choose_budget(d))
+        policy.observe(step_of(ids, [0] * 4, [0] * 4))
+        policy.observe_time(7.0 if prompt else 1.04, 4 + prompt, 0.0, 7.0 if prompt else 1.04)
+    assert policy.price_of_time(4) == pytest.approx(4 / 1.04)
+    surv = survivals_of(torch.full((4, 3), 0.6, dtype=torch.float64))
+    assert policy.best_plan(surv, [3] * 4, cold=0.0, prompt_tokens=0) == (0, 0)
