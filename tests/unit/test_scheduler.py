@@ -1119,6 +1119,8 @@ def test_speculation_is_interrupted_to_measure_k0_only_where_the_choice_is_close
     idle = [i for i, (k, _) in enumerate(budgets) if k == 0 and i >= 10]
     assert len(idle) == explored * EXPLORE_STEPS
     assert all(k > 0 for k, _ in budgets[-50:])
+    if explored:  # the passes after those stops took 0.2 s more than K = 0's measured 1.04
+        assert 1.05 < policy.time_fit(4).stop_scale <= (1.04 + 0.2) / 1.04 + 1e-9
 
 
 def test_time_is_priced_at_the_rate_of_decode_steps_not_of_prompts_passes() -> None:
@@ -1155,3 +1157,16 @@ def test_time_is_priced_at_the_rate_of_decode_steps_not_of_prompts_passes() -> N
     assert policy.price_of_time(4) == pytest.approx(4 / 1.04)
     surv = survivals_of(torch.full((4, 3), 0.6, dtype=torch.float64))
     assert policy.best_plan(surv, [3] * 4, cold=0.0, prompt_tokens=0) == (0, 0)
+
+
+def test_stopping_speculation_costs_the_next_pass_its_measured_excess() -> None:
+    fit = StepTimeFit()
+    assert fit.fit.stop_scale == 1.0  # nothing measured: no premium
+    for _ in range(20):
+        fit.add_stop(0.006, 0.0075)
+    assert fit.fit.stop_scale == pytest.approx(1.25)
+    fit.add_stop(0.006, 10.0)  # one outlier counts at most MAX_RATIO times its steady pass
+    assert fit.fit.stop_scale < 1.25 + 3.0 / 15
+    faster = StepTimeFit()
+    faster.add_stop(0.006, 0.005)
+    assert faster.fit.stop_scale == 1.0  # never a discount
