@@ -136,6 +136,10 @@ class BudgetedPolicy(Policy):
         self._idle_probes = 0  # probes since the last step with K > 0 (`probe_interval`)
         self._explore_left = 0  # further steps of a stretch with K = 0 (`_explores_idle`)
         self._flip = 0.0  # K = 0's overpricing that would have flipped the last plan (`best_plan`)
+        # Tracked rates (a-priori confidences) moved since their rows were last pushed: the
+        # previous step verified drafts, or the batch changed (`draft_lengths`)
+        self._rates_moved = True
+        self._pushed_batch: tuple[str, ...] = ()
         # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
         # `time_fit` for the key.
         self._fits: dict[tuple[bool, int], StepTimeFit] = {}
@@ -415,14 +419,7 @@ class BudgetedPolicy(Policy):
         self._prompt_tokens = prompt_tokens
         explore = self._explores_idle(len(req_ids))
         if self.a_priori:
-            conf = self.tracker.rates(req_ids)[:, : self.gamma]
-            self._budget, self._planned = (0, [0] * len(limits)) if explore else self.plan_from(
-                req_ids, conf, limits)
-            self._idle = self._budget == 0
-            # Remember the whole γ-long rows, not only what gets drafted: a step that verifies
-            # nothing must not leave zero survivals behind (K = 0 would then be absorbing).
-            self._remember(req_ids, survivals_of(conf))
-            return list(self._planned)
+            return self._plan_a_priori(req_ids, limits, explore)
         if explore:
             self._budget, depth = 0, 0
             self._idle_plan = None
@@ -449,6 +446,30 @@ class BudgetedPolicy(Policy):
         drafts = [n if i in probed else 0 for i, n in enumerate(limits)]
         self._budget = self.probe_budget(req_ids, drafts)
         return drafts
+
+    def _plan_a_priori(self, req_ids: tuple[str, ...], limits: list[int], explore: bool
+                       ) -> list[int]:
+        """The whole plan before drafting, from tracked rates (`draft_lengths`). The rates move
+        only with verified drafts, so an idle batch's plan holds as a parallel drafter's does
+        (`_idle_plan_holds`), and its rows are pushed again only once they moved: planning
+        every idle step cost ~0.4 ms, 7% of a step at 4 in flight (draft model, T = 1)."""
+        if not explore and not self._rates_moved and self._idle_plan_holds(req_ids, limits):
+            self._budget, self._planned = 0, [0] * len(limits)
+            return list(self._planned)
+        conf = self.tracker.rates(req_ids)[:, : self.gamma]
+        self._budget, self._planned = (0, [0] * len(limits)) if explore else self.plan_from(
+            req_ids, conf, limits)
+        self._idle = self._budget == 0
+        held = self._idle and self._cold and not explore
+        self._idle_plan = (req_ids, self._steps, limits) if held else None
+        if self._rates_moved or req_ids != self._pushed_batch:
+            # The whole γ-long rows, not only what gets drafted: a step that verifies nothing
+            # must not leave zero survivals behind (K = 0 would then be absorbing). Rows that
+            # did not move are not pushed again: a row pushed g steps after the last weighs
+            # as g pushes of it (`StaleRow`).
+            self._remember(req_ids, survivals_of(conf))
+            self._rates_moved, self._pushed_batch = False, req_ids
+        return list(self._planned)
 
     def _explores_idle(self, num_reqs: int) -> bool:
         """Whether this step verifies nothing (and drafts nothing but a probe) to learn what
@@ -558,6 +579,8 @@ class BudgetedPolicy(Policy):
 
     def observe(self, step: StepState) -> None:
         self._committed = sum(len(s.committed) for s in step.requests)
+        if any(s.num_planned for s in step.requests):
+            self._rates_moved = True  # the tracker learned from verified drafts
         for s in step.requests:
             if s.finish_reason is not None:
                 self._history.pop(s.req_id, None)
