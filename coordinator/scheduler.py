@@ -164,7 +164,7 @@ class BudgetedPolicy(Policy):
         verify, drafting, further = self._profiled_parts(
             num_reqs + self._prompt_tokens + sum(counts), num_reqs, depth)
         return self.time_fit(num_reqs).apply(verify, drafting, num_reqs, further=further,
-                                             verifies_drafts=sum(counts) > 0)
+                                             after_round=depth > 0)
 
     def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int
                         ) -> tuple[float, float, float]:
@@ -237,7 +237,7 @@ class BudgetedPolicy(Policy):
             # The pass's excess over a steady one, read only from a decode pass: the verify fit
             # knows nothing of prompts (at 64 in flight most cold rounds ran beside one, and
             # their "excess" set the premium to its cap and the budget idled for good).
-            steady_pass = fit.fit.verify_time(verify, num_reqs, decode_tokens > num_reqs)
+            steady_pass = fit.fit.verify_time(verify, num_reqs, True)
             excess = 0.0 if num_tokens > decode_tokens else max(0.0, verify_seconds - steady_pass)
             fit.add_resume(drafting, draft_seconds - self.cost.catch_up_time(rows) + excess)
         # Single-request passes tell the machine's speed apart from the cost per sequence
@@ -248,13 +248,11 @@ class BudgetedPolicy(Policy):
         # weights evicted: 7.5 ms against 6.6 three steps on, 4 in flight): not what a step
         # without drafts costs while not speculating, the K = 0 the budget prices.
         stopped = depth == 0 and not cold
-        if stopped and num_tokens == decode_tokens:
-            fit.add_stop(fit.fit.verify_time(verify, num_reqs), verify_seconds)
         fit.add(
             verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds,
             steady and not stopped,
             prefill=num_tokens > decode_tokens, prior_scale=prior.verify_scale, further=further,
-            prior_fixed=prior.verify_fixed, verifies_drafts=decode_tokens > num_reqs)
+            prior_fixed=prior.verify_fixed, after_round=depth > 0)
         self._in_flight = None
 
     def best_budget(self, survivals: np.ndarray, limits: list[int],
@@ -302,21 +300,19 @@ class BudgetedPolicy(Policy):
         drafting = self.cost.draft_times(num_reqs, depths, self._sampled)
         further = self.cost.further_time(num_reqs, depths, self._sampled)
         times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold, further,
-                                              counts > 0)
+                                              depths > 0)
         times[0 if drafted else 1:] += catch_up
-        if drafted is None and not self._cold:  # K = 0 stops speculating: the next pass pays
-            fit = self.time_fit(num_reqs)
-            times[0] += (fit.stop_scale - 1.0) * fit.verify_time(verify[0], num_reqs)
         price = self.price_of_time(num_reqs)
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
-        # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach), not of its own
-        # ratio; where Θ* equals the step's best ratio the two agree. A step whose base is long
-        # (a prompt in its pass) has a low ratio of its own, and its argmax took drafts whose
-        # tokens came slower than the run's rate (draft model, 4 in flight, T = 1: 5.9
-        # positions beside each prompt at 0.31 tokens a ms against 0.41 in decode steps); a
-        # decode step whose own ratio is above the run's declined drafts that paid at the
-        # run's rate (16 in flight, T = 1: 11.5 drafts verified a step against 37 priced at Θ*,
-        # 1.015x against 1.035x `off` side by side).
+        # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach; with the work
+        # fixed, prompts' passes are paid whatever is chosen, so Θ* is the decode steps' rate),
+        # not of its own ratio; where Θ* equals the step's best ratio the two agree. A step
+        # whose base is long (a prompt in its pass) has a low ratio of its own, and its argmax
+        # took drafts whose tokens came slower than the run's rate (draft model, 4 in flight,
+        # T = 1: 5.9 positions beside each prompt at 0.31 tokens a ms against 0.41 in decode
+        # steps); a decode step whose own ratio is above the run's declined drafts that paid
+        # at the run's rate (16 in flight, T = 1: 11.5 drafts verified a step against 37
+        # priced at Θ*, 1.015x against 1.035x `off` side by side).
         if price is None:  # before steps of this kind were timed: each step's own ratio
             value = tokens / times
             gain = value / value[0] - 1.0
@@ -343,9 +339,9 @@ class BudgetedPolicy(Policy):
         return max(0.0, price * idle_time / room - 1.0) if room > 0 else float("inf")
 
     def price_of_time(self, num_reqs: int) -> float | None:
-        """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) committed
-        lately (`StepTimeFit.throughput`): the budget's price of a step's time; None before
-        one was timed (then each step maximises its own ratio)."""
+        """Θ*, tokens per second that decode steps of this kind of batch (`time_fit`'s key)
+        committed lately (`StepTimeFit.throughput`): the budget's price of a step's time; None
+        before one was timed (then each step maximises its own ratio)."""
         fit = self._fits.get((self._sampled, num_reqs.bit_length()))
         return None if fit is None else fit.throughput
 

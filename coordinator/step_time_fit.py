@@ -1,6 +1,6 @@
 """Online correction of the profiled step time:
 measured ≈ verify_scale · profiled verify + verify_fixed + (R − 1) · verify_per_sequence
-         + verify_drafts · [the pass verifies drafts]
+         + verify_after_round · [a drafting round ran before the pass, in its step]
          + first_scale · profiled first position + further_scale · profiled further positions
          + R · per_request
 (`first_scale` = `further_scale` = `draft_scale` until rounds of several depths tell them apart).
@@ -87,36 +87,36 @@ class Fit:
     first_scale: float | None = None
     further_scale: float | None = None
     verify_fixed: float = 0.0  # seconds a pass takes beyond its profile whatever its size
-    verify_drafts: float = 0.0  # and beyond that when it verifies drafts (acceptance's own work)
-    # The first pass without drafts after a round, over a steady one (`StepTimeFit.add_stop`)
-    stop_scale: float = 1.0
+    # and beyond that after a drafting round in its step (the drafter evicted the target's
+    # weights; acceptance's own work when it verifies drafts)
+    verify_after_round: float = 0.0
 
     def apply(self, verify: Any, drafting: Any, num_reqs: int, cold: float = 0.0,
-              further: Any = 0.0, verifies_drafts: Any = None) -> Any:
+              further: Any = 0.0, after_round: Any = None) -> Any:
         """Estimated seconds of a step whose profiled parts are `verify` and `drafting` (floats,
         or arrays of many candidate steps), `further` of `drafting` for the positions beyond
         the round's first. `cold`: the share of a cold round's premium over a steady one
         (`resume_scale` − `draft_scale`) this step is charged, 1.0 for all of it; the drafter
-        ran no round in the step before. `verifies_drafts`: whether the pass verifies any
-        draft (bools, or an array of them; default: whether the step drafts)."""
+        ran no round in the step before. `after_round`: whether a drafting round ran before
+        the pass (bools, or an array of them; default: whether the step drafts)."""
         if self.first_scale is None or self.further_scale is None:
             steady = self.draft_scale * drafting
         else:
             steady = self.first_scale * (drafting - further) + self.further_scale * further
         premium = cold * (self.resume_scale - self.draft_scale) * drafting
-        verifies_drafts = drafting > 0 if verifies_drafts is None else verifies_drafts
-        verify = self.verify_time(verify, num_reqs, verifies_drafts)
+        after_round = drafting > 0 if after_round is None else after_round
+        verify = self.verify_time(verify, num_reqs, after_round)
         other = num_reqs * self.per_request
         if self.round_per_request is not None:  # (drafting > 0): 0 or 1, or an array of them
             other = other + num_reqs * (self.round_per_request - self.per_request) * (drafting > 0)
         return verify + steady + premium + other
 
-    def verify_time(self, verify: Any, num_reqs: int, verifies_drafts: Any = False) -> Any:
+    def verify_time(self, verify: Any, num_reqs: int, after_round: Any = False) -> Any:
         """Estimated seconds of a verify pass profiled at `verify`, of `num_reqs` sequences,
         that verifies drafts or not."""
         return (self.verify_scale * verify + self.verify_fixed
                 + max(num_reqs - 1, 0) * self.verify_per_sequence
-                + self.verify_drafts * verifies_drafts)
+                + self.verify_after_round * after_round)
 
 
 class StepTimeFit:
@@ -127,7 +127,6 @@ class StepTimeFit:
         #  other of steps without a round, their R, other of steps with one, their R]
         self._sums = [0.0] * 6
         self._resume = [0.0, 0.0]  # [profiled, measured] drafting of rounds after idle steps
-        self._stop = [0.0, 0.0]  # [predicted steady, measured] first passes after a round
         # Decode passes' weighted moments for verify ≈ s · x + c + v · r + d · h (x profiled,
         # y measured, r = R − 1 sequences beyond one, h = 1 when it verified drafts),
         # z = (x, 1, r, h): Σ z zᵀ and Σ z y
@@ -175,7 +174,7 @@ class StepTimeFit:
     def add(self, verify: float, drafting: float, num_reqs: int, seconds: float,
             verify_seconds: float, draft_seconds: float, steady: bool = True,
             prefill: bool = False, prior_scale: float = 1.0, further: float = 0.0,
-            prior_fixed: float = 0.0, verifies_drafts: bool = False) -> None:
+            prior_fixed: float = 0.0, after_round: bool = False) -> None:
         """One step: `verify`, `drafting` its profiled parts; `seconds` its measured end-to-end
         time, `verify_seconds` and `draft_seconds` the parts spent in those calls. A round that
         is not `steady` (it first caught up on rows it missed, often cold too) only bounds a
@@ -188,8 +187,8 @@ class StepTimeFit:
         of the verify fit (see the module's docstring); so does the pass after a round that
         caught up, whose excess belongs to resuming (`add_resume`). `prior_scale`,
         `prior_fixed`: the priors of the verify scale and of a pass's fixed cost. `further`:
-        the part of `drafting` profiled for positions beyond the first. `verifies_drafts`:
-        the pass verified any draft."""
+        the part of `drafting` profiled for positions beyond the first. `after_round`: a
+        drafting round ran before the pass in its step."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
         with_round = drafting > 0
         if not steady and draft_seconds >= drafting:
@@ -198,7 +197,7 @@ class StepTimeFit:
             verify = verify_seconds = 0.0
         others = float(max(num_reqs - 1, 0)) if verify > 0 else 0.0  # sequences beyond one
         # The bound reads the fit as last solved (one step old at most): a cap, not an estimate.
-        bound = MAX_RATIO * max(verify, self._fit.verify_time(verify, num_reqs, verifies_drafts))
+        bound = MAX_RATIO * max(verify, self._fit.verify_time(verify, num_reqs, after_round))
         verify_seconds = min(verify_seconds, bound)
         idle = (0.0, 0.0) if with_round else (other, float(num_reqs))
         busy = (other, float(num_reqs)) if with_round else (0.0, 0.0)
@@ -210,7 +209,7 @@ class StepTimeFit:
             moments = (first * first, first * further, further * further, first * draft_seconds,
                        further * draft_seconds)
             self._depth = [FORGET * old + x for old, x in zip(self._depth, moments)]
-        z = (verify, 1.0, others, float(verifies_drafts)) if verify > 0 else (0.0,) * 4
+        z = (verify, 1.0, others, float(after_round)) if verify > 0 else (0.0,) * 4
         self._verify_zz = [[FORGET * m + zi * zj for m, zj in zip(row, z)]
                            for row, zi in zip(self._verify_zz, z)]
         self._verify_zy = [FORGET * m + zi * verify_seconds for m, zi in zip(self._verify_zy, z)]
@@ -238,13 +237,18 @@ class StepTimeFit:
         return (s_f, s_e) if s_f > 0 and s_e > 0 else (None, None)
 
     def _verify_fit(self) -> tuple[float, float, float, float]:
-        """(s, c, v, d) of verify ≈ s · profiled + c + v · (R − 1) + d · [verifies drafts]:
+        """(s, c, v, d) of verify ≈ s · profiled + c + v · (R − 1) + d · [after a round]:
         least squares over the decode passes, s pulled toward its prior, c, v, d >= 0 (a
         negative one would be another's share; it is dropped and the rest fitted again).
 
         c is a pass's fixed cost beyond the profile's (on a CPU: the target's weights read
         again after the drafter ran; the profile's passes ran back to back), d what a pass
-        with drafts adds (acceptance: warping p, reading q). Without c a lone request's
+        after a drafting round adds (the drafter evicted the target's weights; acceptance's
+        work: warping p, reading q). A pass is marked by the round, not by whether it
+        verified drafts: a probe's or Algorithm 1's round is paid before the budget is
+        known, and with d learned apart (passes without a round measured) a pass that
+        verified nothing after it was priced as one without a round (Algorithm 1 then
+        stopped at K = 0 at 64 in flight: 0.8x `off`). Without c a lone request's
         passes, all of one token while speculation does not pay, read their excess as a scale
         (1.6 at 1 thread), the prior of every batch size's: a speculating pass's further tokens
         were priced 1.6x, and speculation at 4–12 in flight looked 10–20% dearer than measured
@@ -316,17 +320,6 @@ class StepTimeFit:
         self._resume = [FORGET * old + x for old, x in zip(self._resume, new)]
         self._stale = True
 
-    def add_stop(self, steady: float, seconds: float) -> None:
-        """The first pass without drafts after a round took `seconds` where a steady one (the
-        fit's) takes `steady`: the drafter evicted the target's weights, and the next few
-        passes run slower too (4 in flight: 7.5, 7.3, 7.1, 6.9 ms, 6.6 from then on). A
-        switching cost of stopping speculation, as `add_resume`'s is of resuming it."""
-        if steady <= 0:
-            return
-        new = (steady, min(max(0.0, seconds), MAX_RATIO * steady))
-        self._stop = [FORGET * old + x for old, x in zip(self._stop, new)]
-        self._stale = True
-
     def _refit(self) -> Fit:
         pd, md, idle_other, idle_reqs, busy_other, busy_reqs = self._sums
         rp, rm = self._resume
@@ -339,10 +332,8 @@ class StepTimeFit:
         idle = idle_other / idle_reqs if idle_reqs > 0 and fresh else None
         per_request = idle if idle is not None else (busy or 0.0)
         scale, fixed, per_sequence, drafts = self._verify_fit()
-        sp, sm = self._stop
         return Fit(scale, per_sequence, md / pd if pd > 0 else 1.0, per_request,
-                   rm / rp if rp > 0 else 1.0, busy, *self._drafting_split(), fixed, drafts,
-                   max(1.0, sm / sp) if sp > 0 else 1.0)
+                   rm / rp if rp > 0 else 1.0, busy, *self._drafting_split(), fixed, drafts)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
