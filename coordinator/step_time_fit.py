@@ -71,7 +71,7 @@ RIDGE = 0.05  # weight of the verify scale's prior, as a share of the passes' ow
 DEPTH_RIDGE = 0.02
 # The price of time is the decode steps' rate where they take more than this share of the time
 # (`StepTimeFit.throughput`), else every step's.
-DECODE_SHARE = 0.1
+DECODE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -297,8 +297,11 @@ class StepTimeFit:
         does: what time could buy elsewhere is decode tokens. Priced at the rate of every step
         (4 in flight, T = 1: 0.42 tokens a ms, 0.6 in decode steps, the prompts' passes taking
         30% of the time), each decode step bought drafts at 0.53 tokens a ms where not
-        speculating made 0.6–0.65 (0.86x `off`). Where nearly every step takes in a prompt
-        (64 in flight) all steps are what there is."""
+        speculating made 0.6–0.65 (0.86x `off`). Where prompts' passes take most of the time
+        (64 in flight: ~90%) every step's rate: there the few decode steps' rate swung the
+        price 3x as their share crossed a threshold of 10% (1.04 against 0.27–0.33 tokens a
+        ms), and the budget declined drafts beside prompts (1.05–1.08x `off` where it ran at
+        1.19–1.25x with every step's rate, paired; 1.22x with this threshold)."""
         tokens, seconds, all_tokens, all_seconds = self._throughput
         if seconds > DECODE_SHARE * all_seconds:
             return tokens / seconds
