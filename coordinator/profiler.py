@@ -83,7 +83,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v11"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v12"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 

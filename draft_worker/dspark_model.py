@@ -237,8 +237,10 @@ class DSparkDrafter(nn.Module):
         return [_project_kv(layer.self_attn, rows, cos, sin) for layer in self.layers]
 
     # --- block ------------------------------------------------------------------------------
-    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:  # [...] -> [..., γ]
-        ids = anchors.new_full((*anchors.shape, self.config.block_size), self.config.mask_token_id)
+    def block_inputs(self, anchors: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """[anchor, MASK×(depth−1)] per anchor [...] -> [..., depth]; depth γ by default."""
+        depth = depth or self.config.block_size
+        ids = anchors.new_full((*anchors.shape, depth), self.config.mask_token_id)
         ids[..., 0] = anchors
         return ids
 

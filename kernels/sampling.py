@@ -103,5 +103,11 @@ def sample_from_probs(
     cdf = torch.cumsum(probs, dim=-1)
     threshold = (u * cdf[:, -1])[:, None]
     index = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
-    last_positive = vocab - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int32), dim=-1)
-    return torch.minimum(index, last_positive)
+    # A found index < vocab has cdf[index] > cdf[index - 1], so its token has positive mass;
+    # only a row whose threshold reached the end of its CDF needs its last positive token (the
+    # scan for it costs more than the search: drafting samples a row per request per position).
+    past = torch.nonzero(index >= vocab).flatten()
+    if past.numel():
+        flipped = (probs[past] > 0).flip(-1).to(torch.int32)
+        index[past] = vocab - 1 - torch.argmax(flipped, dim=-1)
+    return index
