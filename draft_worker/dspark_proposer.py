@@ -165,9 +165,9 @@ class DSparkProposer:
         P..P+d_r−1 (batched `width` = max(counts) wide, slots past d_r masked as keys). A
         round's depths are decided before drafting (DESIGN.md §3), so the cut never depends
         on the drafts, and q and c are those of the block that ran: any proposal is verified
-        losslessly. On the demo drafter the cut costs ~2% of τ at
-        depth 1 and nothing measurable at depth 3, and saves the backbone's unused slots
-        (a depth-1 round at 16 in flight took 13.7 ms against 18.9, fixed k = 1, T = 1).
+        losslessly. On the demo drafter the cut costs ~2% of τ at depth 1 and nothing
+        measurable at depth 3, and saves the backbone's unused slots (a depth-1 round at 16
+        in flight took 13.7 ms against 18.9, fixed k = 1, T = 1).
         """
         ctx_kv, lens = self._gather_context(req_ids)
         num, width, ctx = len(req_ids), max(counts), int(lens.max())
@@ -192,8 +192,7 @@ class DSparkProposer:
         prev = torch.cat([anchors[:, None], tokens[:, : width - 1]], dim=1).clamp(min=0)
         z = self.model.confidence_logits(h, prev.to(self.device))
         conf = torch.zeros(num, width) if z is None else self.model.calibrated(z).cpu()
-        valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
-        return tokens, probs, conf * valid
+        return tokens, probs, conf * slot_ok
 
     def _sample_markov(
         self,
