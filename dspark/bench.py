@@ -8,12 +8,14 @@ machine's noise falls on all arms alike. Speed is output tokens per wall-clock s
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from dspark.coordinator.engine import Engine
@@ -202,10 +204,11 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     2,246 tokens, `confidence` in 25 of 730, and ran at 0.85x; 1.06x with spread lengths), and
     live traffic does not arrive in lockstep.
 
-    Each cell runs every arm `repeats` times, interleaved and in a rotated order each round, and
-    reports the median tokens/s: on a shared machine a load spike then hits one run of one arm,
-    not a whole arm. "x off" is the median over rounds of each round's ratio to `off` (paired),
-    which also cancels the machine's slower drifts."""
+    Each cell runs every arm once a round, `rounds_for(conc, repeats)` rounds, interleaved and
+    in a rotated order each round, and reports the median tokens/s: on a shared machine a load
+    spike then hits one run of one arm, not a whole arm. "x off" is the median over rounds of
+    each round's ratio to `off` (paired), which also cancels the machine's slower drifts, with
+    a 95% bootstrap interval for that median (`median_ci`)."""
     labels = [label for label, _, _ in POLICY_ARMS]
     unknown = sorted(set(arms or ()) - set(labels))
     if unknown:
@@ -227,14 +230,15 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
                               for i in range(len(warm))])
     results: dict[str, dict] = {}
     cells = [(t, c) for t in temperatures for c in concurrencies]
-    bar = tqdm(total=len(cells) * len(engines) * repeats, desc="policies", unit="run")
     served = prompts[:-WARMUP_REQUESTS]
+    bar = tqdm(total=sum(rounds_for(c, repeats) for _, c in cells) * len(engines),
+               desc="policies", unit="run")
     for temperature, conc in cells:
         n = max(2 * conc, 8)
         row = results.setdefault(f"T={temperature:g}", {}).setdefault(str(conc), {})
         runs: dict[str, list[dict]] = {label: [] for label in engines}
         labels = list(engines)
-        for rep in range(repeats):
+        for rep in range(rounds_for(conc, repeats)):
             batch, params = round_workload(served, n, rep, temperature, max_tokens)
             for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
                 runs[label].append(_policy_run(engines[label], conc, batch, params))
@@ -243,9 +247,10 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
             row[label] = _merge_runs(runs[label])
             # Paired: each round ran every arm once, close in time; the median of the per-round
             # ratios cancels the machine's slow drifts that a ratio of medians keeps.
-            row[label]["x_off"] = statistics.median(
-                (r["tokens"] / r["seconds"]) / (o["tokens"] / o["seconds"])
-                for r, o in zip(runs[label], runs["off"])) if "off" in runs else float("nan")
+            paired = [(r["tokens"] / r["seconds"]) / (o["tokens"] / o["seconds"])
+                      for r, o in zip(runs[label], runs.get("off", []))]
+            row[label]["x_off"] = statistics.median(paired) if paired else float("nan")
+            row[label]["x_off_ci"] = median_ci(paired) if paired else [float("nan")] * 2
             row[label]["x_off_full"] = statistics.median(
                 _full_rate(r) / _full_rate(o)
                 for r, o in zip(runs[label], runs["off"])) if "off" in runs else float("nan")
@@ -257,6 +262,33 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
     return results
+
+
+def rounds_for(conc: int, repeats: int) -> int:
+    """Rounds a cell runs: `repeats`, more where runs are short. A round's paired ratio to
+    `off` spreads by ±10–30% on a shared 2-core machine (one run at 1 in flight lasts ~1 s, and
+    a load spike or a hard text moves it), so 5 rounds leave the median uncertain by ~10%;
+    1 and 4 in flight get 4x and 2x the rounds for about the time of a 64-in-flight cell's.
+
+    >>> [rounds_for(c, 5) for c in (1, 4, 16, 64)]
+    [20, 10, 5, 5]
+    """
+    return max(repeats, math.ceil(repeats * math.sqrt(16 / conc)))
+
+
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
+              seed: int = 0) -> list[float]:
+    """[low, high]: a bootstrap percentile interval at `level` for the median of `values`
+    (seeded, so a table is reproducible from its runs).
+
+    >>> median_ci([1.0, 1.0, 1.0])
+    [1.0, 1.0]
+    """
+    rng = np.random.default_rng(seed)
+    data = np.asarray(values, dtype=np.float64)
+    medians = np.median(rng.choice(data, size=(resamples, data.size)), axis=1)
+    tail = (1.0 - level) / 2 * 100
+    return [float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))]
 
 
 def round_workload(prompts: list[str], n: int, rep: int, temperature: float, max_tokens: int
@@ -336,14 +368,16 @@ def _full_rate(run: dict) -> float:
 
 
 def _print_policy_table(results: dict) -> None:
-    print(f"\n{'T':<6}{'reqs':>5} {'policy':<16}{'tok/s':>8}{'x off':>7}{'full':>8}{'x off':>7}"
-          f"{'tau':>6}{'ver/step':>9}{'acc/pred':>9}")
+    print(f"\n{'T':<6}{'reqs':>5} {'policy':<16}{'tok/s':>8}{'x off':>7}{'95% CI':>13}{'full':>8}"
+          f"{'x off':>7}{'tau':>6}{'ver/step':>9}{'acc/pred':>9}")
     for setting, by_conc in results.items():
         for conc, arms in by_conc.items():
             for label, r in arms.items():
                 ratio = r["accepted"] / r["predicted_accepted"] if r["predicted_accepted"] else float("nan")
+                lo, hi = r["x_off_ci"]
                 print(f"{setting:<6}{conc:>5} {label:<16}{r['tokens_per_s']:>8.1f}"
-                      f"{r['x_off']:>7.2f}{r['tokens_per_s_full']:>8.1f}{r['x_off_full']:>7.2f}"
+                      f"{r['x_off']:>7.2f}{f'[{lo:.2f},{hi:.2f}]':>13}"
+                      f"{r['tokens_per_s_full']:>8.1f}{r['x_off_full']:>7.2f}"
                       f"{r['mean_accepted_length']:>6.2f}"
                       f"{r['verified_per_step']:>9.1f}{ratio:>9.2f}")
 

@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--arms", help="comma-separated arm labels (default: all), e.g. 'off,fixed k=7,confidence'")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell (median)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds per cell (median); 1 and 4 in flight run 4x and 2x as many")
     p.add_argument("--out", default="runs/bench_policies")
     p.set_defaults(fn=cmd_bench_policies)
 

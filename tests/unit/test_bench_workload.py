@@ -50,3 +50,26 @@ def test_full_steps_are_those_with_every_slot_busy(tiny_pair) -> None:
     assert 0 < merged["full_share"] < 1
     alone = _policy_run(engine, 3, prompts[:1], params[:1])  # never full: no rate, not zero
     assert alone["full_tokens"] == 0 and math.isnan(_merge_runs([alone])["tokens_per_s_full"])
+
+
+def test_cheap_cells_run_more_rounds() -> None:
+    from dspark.bench import rounds_for
+
+    assert [rounds_for(c, 5) for c in (1, 2, 4, 16, 64)] == [20, 15, 10, 5, 5]
+    assert rounds_for(64, 3) == 3 and rounds_for(1, 1) == 4
+
+
+def test_median_interval_covers_the_median_and_narrows_with_more_rounds() -> None:
+    import numpy as np
+
+    from dspark.bench import median_ci
+
+    rng = np.random.default_rng(1)
+    few = list(1.0 + 0.1 * rng.standard_normal(5))
+    many = list(1.0 + 0.1 * rng.standard_normal(80))
+    lo, hi = median_ci(few)
+    assert lo <= float(np.median(few)) <= hi
+    assert median_ci(few) == [lo, hi]  # seeded: a table is reproducible from its runs
+    lo80, hi80 = median_ci(many)
+    assert hi80 - lo80 < (hi - lo) / 2  # 16x the rounds: about a quarter of the width
+    assert lo80 < 1.0 < hi80  # the true median, at this seed
