@@ -12,8 +12,8 @@ Policies (one interface, `coordinator.policy.Policy`):
   Θ = E[tokens] / step_time. The early stop decides about slot (r, j) from slots ranked above
   it only, so it never looks at x_j or at later candidates: lossless with live confidences;
 - `confidence`: production: K = argmax_K (R + Σ top-K stale a) / step_time(R + K) over survivals
-  from two steps back and earlier (an average in time per request, `StaleRow`, and a global one
-  for requests that are younger), then the K slots go to the largest *current* survivals. Stale
+  from two steps back and earlier (an average in time per request, `StaleRow`, and the batch
+  means' long-run one for requests that are younger), then the K slots go to the largest *current* survivals. Stale
   inputs cannot leak the current tokens, so the global argmax is safe. A step's time counts the
   drafting round (cold after idle steps) and the rows an idle drafter must catch up on first.
   Once steps of the batch's kind were timed, the argmax is of E[tokens] − Θ* · step_time at the
@@ -229,7 +229,9 @@ class BudgetedPolicy(Policy):
         # resumed (1.02x `off` where it had run at 1.27x).
         verify, drafting, further = self._profiled_parts(num_tokens, num_reqs, depth)
         key = (self._sampled, num_reqs.bit_length())
-        fit = self._fits.setdefault(key, StepTimeFit())
+        fit = self._fits.get(key)
+        if fit is None:
+            fit = self._fits[key] = StepTimeFit()
         if self._committed is not None:  # `observe` saw this step's commit
             fit.add_tokens(self._committed, seconds, prefill=num_tokens > decode_tokens)
             self._committed = None
@@ -347,11 +349,9 @@ class BudgetedPolicy(Policy):
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> np.ndarray:  # [num_reqs, γ]
         """Survivals from two steps back and before (`StaleRow`): the request's own, else the
-        batch means', else the tracker's global rates (its documented prior for a new
-        deployment). None of these can depend on the current step's drafts."""
-        fallback = self._global_history.value_at(self._steps)
-        if fallback is None:
-            fallback = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+        batch means' long-run average, else the tracker's global rates (`_fallback_row`). None
+        of these can depend on the current step's drafts."""
+        fallback = self._fallback_row()
         rows = []
         for r in req_ids:
             own = self._history[r].value_at(self._steps) if r in self._history else None
@@ -359,6 +359,20 @@ class BudgetedPolicy(Policy):
         if not rows:
             return np.zeros((0, self.gamma))
         return np.stack(rows)
+
+    def _fallback_row(self) -> np.ndarray:  # [γ]
+        """The row of a request without rows of its own: the batch means' long-run average,
+        else the tracker's global rates (its documented prior for a new deployment).
+
+        Not the batch means' recent average: with one request in flight that is the last
+        request's last few blocks, and where they were hard the next request started idle,
+        and with the probes' backoff inherited from the last one it stayed idle for its whole
+        life (measured at 1 in flight, T = 0: 2 requests of 8 per round)."""
+        self._global_history.value_at(self._steps)  # takes in the rows two steps old
+        row = self._global_history.long_run
+        if row is None:
+            row = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+        return row
 
     def live_survivals(self, confidences: torch.Tensor | np.ndarray) -> np.ndarray:
         """`survivals_of` this step's live confidences, computed once a step: the allocation

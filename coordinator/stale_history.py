@@ -12,6 +12,7 @@ import numpy as np
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of a stale row one step newer than the rest of its running average
+LONG_RUN = 0.02  # the same for the long-run average (`StaleRow.long_run`: ~50 rows)
 
 
 class StaleRow:
@@ -31,6 +32,7 @@ class StaleRow:
     def __init__(self) -> None:
         self._recent: deque[tuple[int, np.ndarray]] = deque()  # (step, row [γ]), not yet read
         self.value: np.ndarray | None = None  # [γ]
+        self.long_run: np.ndarray | None = None  # [γ] the same rows' average over ~50 pushes
         self._step = 0  # the step of the newest row in `value`
 
     def push(self, step: int, row: np.ndarray) -> None:
@@ -41,5 +43,7 @@ class StaleRow:
             pushed, old = self._recent.popleft()
             keep = 0.0 if self.value is None else (1 - SMOOTHING) ** max(1, pushed - self._step)
             self.value = old if self.value is None else (1 - keep) * old + keep * self.value
+            self.long_run = (old if self.long_run is None
+                             else LONG_RUN * old + (1 - LONG_RUN) * self.long_run)
             self._step = pushed
         return self.value

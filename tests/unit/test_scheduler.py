@@ -84,7 +84,7 @@ def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
 
 
 def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
-    from dspark.coordinator.stale_history import SMOOTHING, StaleRow
+    from dspark.coordinator.stale_history import LONG_RUN, SMOOTHING, StaleRow
 
     row = StaleRow()
     one = np.full(3, 0.9)
@@ -96,6 +96,9 @@ def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
     np.testing.assert_allclose(row.value_at(6), one, rtol=0, atol=1e-15)
     row.push(5, two)  # the next step's row: weight SMOOTHING
     np.testing.assert_allclose(row.value_at(7), SMOOTHING * two + (1 - SMOOTHING) * one,
+                               rtol=0, atol=1e-15)
+    # The long-run average takes in the same rows, each at LONG_RUN (a new request's prior).
+    np.testing.assert_allclose(row.long_run, LONG_RUN * two + (1 - LONG_RUN) * one,
                                rtol=0, atol=1e-15)
     before = row.value_at(7)
     row.push(20, one)  # a probe after an idle stretch: readable two steps later, not two pushes
@@ -371,6 +374,29 @@ def test_a_lone_request_idled_by_bad_blocks_speculates_again_after_a_good_probe(
     assert budgets[second + 1] > 0  # two steps after the good probe (steps are 1-based)
     # Speculating again resets the backoff: the next idle stretch is probed after `every`.
     assert policy._idle_probes == 0
+
+
+def test_a_new_request_starts_from_the_long_run_row_not_the_last_requests_last_blocks() -> None:
+    # Regression: a request without rows of its own read the batch means' recent average,
+    # which with one request in flight is the last request's last few blocks. Where those were
+    # hard the next request started idle (and, with the probes' backoff it inherited, stayed
+    # idle for its whole life: 1 in flight, T = 0, 2 requests of 8 in a round).
+    cost = CostModel.linear(1.0, 0.3)
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    ids = ("a",)
+    for step in range(40):
+        lengths = policy.draft_lengths([3], ids)
+        hard = step >= 30  # the text turns hard for a's last steps
+        d = (drafts_of([[0.02 if hard else 0.95] * 3], ids) if any(lengths)
+             else skipped_drafts(ids))
+        k = policy.choose_budget(d)
+        policy.plan_verification(d, k)
+        policy.observe(step_of(ids, [k], [0], finished=step == 39))
+    assert k == 0  # a's hard blocks idled it
+    recent = policy._global_history.value
+    assert policy.best_budget(recent[None], [3]) == 0  # read as b's row, it would idle b too
+    assert policy.draft_lengths([3], ("b",)) == [3]  # the long-run row: b speculates
+    np.testing.assert_array_less(recent, policy._global_history.long_run)
 
 
 def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
