@@ -13,9 +13,10 @@ Policies (one interface, `coordinator.policy.Policy`):
   it only, so it never looks at x_j or at later candidates: lossless with live confidences;
 - `confidence`: production: K = argmax_K (R + Σ top-K stale a) / step_time(R + K) over survivals
   from two steps back and earlier (an average in time per request, `StaleRow`, and the batch
-  means' long-run one for requests that are younger), then the K slots go to the largest *current* survivals. Stale
-  inputs cannot leak the current tokens, so the global argmax is safe. A step's time counts the
-  drafting round (cold after idle steps) and the rows an idle drafter must catch up on first.
+  means' long-run one for requests that are younger), then the K slots go to the largest
+  *current* survivals. Stale inputs cannot leak the current tokens, so the global argmax is
+  safe. A step's time counts the drafting round (cold after idle steps) and the rows an idle
+  drafter must catch up on first.
   Once steps of the batch's kind were timed, the argmax is of E[tokens] − Θ* · step_time at the
   rate Θ* those steps committed (`price_of_time`, the decode steps' tokens per second): the
   run's tokens per second, a ratio of sums, is what is maximised, and a step with a prompt in
@@ -119,7 +120,7 @@ class BudgetedPolicy(Policy):
         self.a_priori = a_priori  # confidences known before drafting (tracked rates)
         self.sequential_drafts = sequential_drafts  # drafting cost grows with positions
         self._history: dict[str, StaleRow] = {}
-        self._global_history = StaleRow()
+        self._global_history = StaleRow(long_run=True)
         self._budget = 0
         self._idle = True  # the last step's budget before drafting was K = 0 (probes included)
         self._planned: list[int] | None = None
@@ -407,7 +408,10 @@ class BudgetedPolicy(Policy):
         self._last_push = self._steps
         for r, row, ok in zip(req_ids, padded, fresh):
             if ok:
-                self._history.setdefault(r, StaleRow()).push(self._steps, row)
+                history = self._history.get(r)
+                if history is None:
+                    history = self._history[r] = StaleRow()
+                history.push(self._steps, row)
         self._global_history.push(self._steps, padded[fresh].sum(axis=0) / sum(fresh))
 
     # --- the Policy interface ------------------------------------------------------------------

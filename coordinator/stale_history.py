@@ -29,10 +29,13 @@ class StaleRow:
     on the current step's drafts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, long_run: bool = False) -> None:
+        """`long_run`: also keep `long_run`, the same rows' average at LONG_RUN (~50 rows): the
+        batch means' is the row of a request without rows of its own."""
         self._recent: deque[tuple[int, np.ndarray]] = deque()  # (step, row [γ]), not yet read
         self.value: np.ndarray | None = None  # [γ]
-        self.long_run: np.ndarray | None = None  # [γ] the same rows' average over ~50 pushes
+        self.long_run: np.ndarray | None = None  # [γ], kept only if asked for
+        self._keeps_long_run = long_run
         self._step = 0  # the step of the newest row in `value`
 
     def push(self, step: int, row: np.ndarray) -> None:
@@ -43,7 +46,8 @@ class StaleRow:
             pushed, old = self._recent.popleft()
             keep = 0.0 if self.value is None else (1 - SMOOTHING) ** max(1, pushed - self._step)
             self.value = old if self.value is None else (1 - keep) * old + keep * self.value
-            self.long_run = (old if self.long_run is None
-                             else LONG_RUN * old + (1 - LONG_RUN) * self.long_run)
+            if self._keeps_long_run:
+                self.long_run = (old if self.long_run is None
+                                 else LONG_RUN * old + (1 - LONG_RUN) * self.long_run)
             self._step = pushed
         return self.value

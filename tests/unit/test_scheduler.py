@@ -86,7 +86,7 @@ def test_confidence_budget_reads_survivals_from_two_steps_back() -> None:
 def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
     from dspark.coordinator.stale_history import LONG_RUN, SMOOTHING, StaleRow
 
-    row = StaleRow()
+    row = StaleRow(long_run=True)
     one = np.full(3, 0.9)
     two = np.full(3, 0.1)
     row.push(1, one)
