@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import torch
+# `python -m pytest` puts the repository root first on sys.path, and there the folder `kernels/`
+# (installed as `dspark.kernels`) reads as a top-level package `kernels`, shadowing the Hub's
+# `kernels` package that transformers >= 5.25 imports at start-up (ImportError: cannot import name
+# 'CUDAProperties'). The project imports itself only as `dspark`, so the root is not needed here.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 # Triton decides at its first import whether to interpret; transformers imports it early through
 # torch._dynamo, so the choice must be made before any test module loads.
@@ -12,7 +21,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402

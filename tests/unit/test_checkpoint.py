@@ -186,3 +186,15 @@ def test_unsupported_rope_type_is_named() -> None:
     raw = _raw_config("target", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
     with pytest.raises(ValueError, match="longrope"):
         ModelConfig.from_dict(raw)
+
+
+def test_the_top_level_name_kernels_is_never_this_repositorys_folder() -> None:
+    """The folder `kernels/` is `dspark.kernels`; with the repository root on sys.path it would
+    shadow the Hub's `kernels` package, which transformers >= 5.25 imports (tests/conftest.py)."""
+    import importlib.util
+
+    import dspark.kernels
+
+    ours = Path(dspark.kernels.__file__).resolve().parent
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or spec.origin is None or Path(spec.origin).resolve().parent != ours
