@@ -15,12 +15,14 @@ import torch
 
 from dspark.kernels.dispatch import HAS_TRITON
 from dspark.kernels.paged_attention import (
+    SHORT_QUERY,
     AttentionMetadata,
     kv_write,
     kv_write_ref,
     kv_write_triton,
     paged_attention,
     paged_attention_ref,
+    paged_attention_torch,
     paged_attention_triton,
 )
 
@@ -127,6 +129,22 @@ def test_attention_reads_strided_q_and_dispatches_when_forced() -> None:
         forced = paged_attention(*args, 0.25).cpu()
     want = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta, 0.25)
     torch.testing.assert_close(forced.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens", [[155, 4, 1, 40, 8, 17], [3, 1, 9], [30, 2, 70, 33]])
+def test_torch_path_attends_groups_of_like_query_lengths_as_the_reference_does(
+        q_lens: list[int]) -> None:
+    # Prompts beside verify blocks: the reference pads every request to the longest query.
+    cached = [0, 61, 130, 16, 7, 40][: len(q_lens)]
+    q, k_cache, v_cache, meta = _batch(3, q_lens, cached, 4, 2, 16, 4, torch.float64)
+    want = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(paged_attention_torch(q, k_cache, v_cache, meta, 0.25), want,
+                               atol=1e-12, rtol=1e-12)
+    groups = meta.query_groups
+    assert sorted(torch.cat([t for t, _ in groups]).tolist()) == list(range(sum(q_lens)))
+    for _, layout in groups:  # padding: at most SHORT_QUERY rows a request, or twice its own
+        assert all(layout.max_q <= max(SHORT_QUERY, 2 * n) for n in layout.q_lens)
+    assert len(groups) == len({0 if n <= SHORT_QUERY else (n - 1).bit_length() for n in q_lens})
 
 
 def test_attention_launcher_asserts_dtypes() -> None:
