@@ -18,9 +18,9 @@ Policies (one interface, `coordinator.policy.Policy`):
   safe. A step's time counts the drafting round (cold after idle steps) and the rows an idle
   drafter must catch up on first.
   Once steps of the batch's kind were timed, the argmax is of E[tokens] − Θ* · step_time at the
-  rate Θ* those steps committed (`price_of_time`, the decode steps' tokens per second): the
-  run's tokens per second, a ratio of sums, is what is maximised, and a step with a prompt in
-  its pass has a ratio of its own far below it.
+  rate Θ* those steps decoded (`price_of_time`: tokens per second of their time less what
+  prompts in their passes added): the run's tokens per second, a ratio of sums, is what is
+  maximised, and a step with a prompt in its pass has a ratio of its own far below it.
 
 Confidence only prioritises: whatever is admitted is still verified by the target.
 When confidences do not depend on the drafts (tracked acceptance rates), the whole plan is made
@@ -234,7 +234,13 @@ class BudgetedPolicy(Policy):
         if fit is None:
             fit = self._fits[key] = StepTimeFit()
         if self._committed is not None:  # `observe` saw this step's commit
-            fit.add_tokens(self._committed, seconds, prefill=num_tokens > decode_tokens)
+            # The price of time is the rate of decoding (`StepTimeFit.throughput`): a prompt's
+            # share of the pass, what it took beyond the decode pass the fit predicts, is left out.
+            prompt = 0.0
+            if num_tokens > decode_tokens:
+                alone = self.cost.verify_time(decode_tokens, self._sampled)
+                prompt = max(0.0, verify_seconds - fit.fit.verify_time(alone, num_reqs, depth > 0))
+            fit.add_tokens(self._committed, seconds - prompt)
             self._committed = None
         if cold and depth > 0:
             # The pass's excess over a steady one, read only from a decode pass: the verify fit
@@ -342,9 +348,9 @@ class BudgetedPolicy(Policy):
         return max(0.0, price * idle_time / room - 1.0) if room > 0 else float("inf")
 
     def price_of_time(self, num_reqs: int) -> float | None:
-        """Θ*, tokens per second that decode steps of this kind of batch (`time_fit`'s key)
-        committed lately (`StepTimeFit.throughput`): the budget's price of a step's time; None
-        before one was timed (then each step maximises its own ratio)."""
+        """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) decoded
+        lately (`StepTimeFit.throughput`): the budget's price of a step's time; None before one
+        was timed (then each step maximises its own ratio)."""
         fit = self._fits.get((self._sampled, num_reqs.bit_length()))
         return None if fit is None else fit.throughput
 

@@ -69,9 +69,6 @@ RIDGE = 0.05  # weight of the verify scale's prior, as a share of the passes' ow
 # further positions' own weight (`StepTimeFit._drafting_split`): weak, so rounds of a few
 # depths pull the two apart within tens of steps.
 DEPTH_RIDGE = 0.02
-# The price of time is the decode steps' rate where they take more than this share of the time
-# (`StepTimeFit.throughput`), else every step's.
-DECODE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -136,8 +133,8 @@ class StepTimeFit:
         # Steady rounds' weighted moments for drafting ≈ s_f · f + s_e · e (f the profiled
         # first position, e the further ones, y measured): [Σ f², Σ f·e, Σ e², Σ f·y, Σ e·y]
         self._depth = [0.0] * 5
-        # [tokens committed, seconds] of decode steps, and of every step (`add_tokens`)
-        self._throughput = [0.0, 0.0, 0.0, 0.0]
+        # [tokens committed, seconds of decoding] of every step (`add_tokens`)
+        self._throughput = [0.0, 0.0]
         self._prior_scale = 1.0  # the verify scale's prior (`add`)
         self._prior_fixed = 0.0  # the prior of a pass's fixed cost (`add`)
         self._fit = Fit()
@@ -280,32 +277,31 @@ class StepTimeFit:
                 return coef[0], coef.get(1, 0.0), coef.get(2, 0.0), coef.get(3, 0.0)
             free = [i for i in free if i not in negative]
 
-    def add_tokens(self, tokens: int, seconds: float, prefill: bool = False) -> None:
-        """A step of this kind committed `tokens` in `seconds`; `prefill`: its pass also took
-        in a prompt (`throughput`)."""
-        decode = (0.0, 0.0) if prefill else (tokens, seconds)
+    def add_tokens(self, tokens: int, decode_seconds: float) -> None:
+        """A step of this kind committed `tokens` and spent `decode_seconds` decoding: its time
+        less what a prompt in its pass added (`BudgetedPolicy.observe_time`)."""
         self._throughput = [FORGET * old + x for old, x in
-                            zip(self._throughput, (*decode, tokens, seconds))]
+                            zip(self._throughput, (tokens, decode_seconds))]
 
     @property
     def throughput(self) -> float | None:
-        """Tokens per second that decode steps (passes without a prompt) committed lately,
-        else every step (None before one was timed): what a step's time is worth in tokens
+        """Tokens per second of decoding lately, over every step with what prompts in its pass
+        added left out (None before a step was timed): what a step's time is worth in tokens
         elsewhere, the budget's price of time (`best_plan`).
 
-        Decode steps, because a prompt's pass is paid once per request whatever the budget
-        does: what time could buy elsewhere is decode tokens. Priced at the rate of every step
-        (4 in flight, T = 1: 0.42 tokens a ms, 0.6 in decode steps, the prompts' passes taking
-        30% of the time), each decode step bought drafts at 0.53 tokens a ms where not
-        speculating made 0.6–0.65 (0.86x `off`). Where prompts' passes take most of the time
-        (64 in flight: ~90%) every step's rate: there the few decode steps' rate swung the
-        price 3x as their share crossed a threshold of 10% (1.04 against 0.27–0.33 tokens a
-        ms), and the budget declined drafts beside prompts (1.05–1.08x `off` where it ran at
-        1.19–1.25x with every step's rate, paired; 1.22x with this threshold)."""
-        tokens, seconds, all_tokens, all_seconds = self._throughput
-        if seconds > DECODE_SHARE * all_seconds:
-            return tokens / seconds
-        return all_tokens / all_seconds if all_seconds > 0 else None
+        The work is fixed (each prompt is taken in once, whatever the budget does), so time a
+        plan spends buys the decode tokens it would otherwise take a later step to commit: the
+        price is the rate of decoding, not of the run. Priced at every step's rate, prompts'
+        passes included, time looked cheap where most steps carry a prompt (16 in flight,
+        T = 0: 0.28 tokens a ms against 0.71 in decode steps), and the budget verified 88
+        drafts a step, as deep as fixed k = 7, for 0.67 tokens a ms where fixed k = 3 made
+        0.71. Priced at the rate of decode steps alone, it read a few rare steps where nearly
+        every one carries a prompt (64 in flight), and swung as their share crossed a
+        threshold. Paired against every step's rate (where decode steps took under half the
+        time): 1.04x (16 in flight, T = 0, 12 rounds), 1.05x (64, T = 0, 8), 1.09x (64, T = 1,
+        8 of 8 rounds better)."""
+        tokens, seconds = self._throughput
+        return tokens / seconds if seconds > 0 else None
 
     def add_resume(self, drafting: float, draft_seconds: float) -> None:
         """A drafting round after a step without one: `drafting` its profiled time (catch-up
