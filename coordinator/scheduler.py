@@ -314,7 +314,7 @@ class BudgetedPolicy(Policy):
         price = self.price_of_time(num_reqs)
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach; with the work
-        # fixed, prompts' passes are paid whatever is chosen, so Θ* is the decode steps' rate),
+        # fixed, prompts' passes are paid whatever is chosen, so Θ* is the rate of decoding),
         # not of its own ratio; where Θ* equals the step's best ratio the two agree. A step
         # whose base is long (a prompt in its pass) has a low ratio of its own, and its argmax
         # took drafts whose tokens came slower than the run's rate (draft model, 4 in flight,
