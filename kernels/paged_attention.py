@@ -8,7 +8,7 @@ Prefill chunks and verify blocks share one batch this way.
 `paged_attention_ref` and `kv_write_ref` are the specifications; `paged_attention` and `kv_write`
 are the dispatches the models call (`dspark.kernels.dispatch`); `paged_attention_triton` and
 `kv_write_triton` launch `_paged_attention_kernel` and `_kv_write_kernel`; without triton,
-`paged_attention_torch` runs the reference over groups of requests of like query lengths.
+`paged_attention` runs the reference over groups of requests of like query lengths.
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ class AttentionMetadata:
         """(token indices, layout) of requests `rows` (ascending) alone, their tokens in batch
         order."""
         index = torch.tensor(rows, dtype=torch.long, device=self.seq_lens.device)
-        tokens = torch.cat([torch.arange(int(self.cu_seqlens_q[r]), int(self.cu_seqlens_q[r + 1]))
-                            for r in rows]).to(self.positions.device)
+        tokens = torch.isin(self.token_req, index).nonzero().squeeze(1)
         q_lens = [self.q_lens[r] for r in rows]
         cu = torch.zeros(len(rows) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(q_lens).cumsum(0)
@@ -101,7 +100,7 @@ class AttentionMetadata:
 
     @cached_property
     def query_groups(self) -> tuple[tuple[torch.Tensor, AttentionMetadata], ...]:
-        """(token indices, layout) of each group of requests `paged_attention_torch` attends in
+        """(token indices, layout) of each group of requests `paged_attention` (without triton) attends in
         one call: those of at most SHORT_QUERY tokens, and the longer ones by power-of-two
         length class; one group (the whole batch) where that is all there is. Built once per
         forward, as the layout is, and shared by the layers.
@@ -173,21 +172,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    """Dispatch: varlen causal attention over the paged cache (`paged_attention_ref`)."""
+    """Dispatch: varlen causal attention over the paged cache (`paged_attention_ref`). Without
+    triton, the reference over each of `meta.query_groups` apart: padding stays within a group
+    (at most SHORT_QUERY rows a request, or twice its own)."""
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale)
-
-
-def paged_attention_torch(
-    q: torch.Tensor,  # [num_tokens, heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    """`paged_attention_ref` over each of `meta.query_groups` apart: padding stays within a
-    group (at most SHORT_QUERY rows a request, or twice its own)."""
     groups = meta.query_groups
     if len(groups) == 1:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)

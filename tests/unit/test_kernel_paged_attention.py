@@ -22,7 +22,6 @@ from dspark.kernels.paged_attention import (
     kv_write_triton,
     paged_attention,
     paged_attention_ref,
-    paged_attention_torch,
     paged_attention_triton,
 )
 
@@ -138,7 +137,7 @@ def test_torch_path_attends_groups_of_like_query_lengths_as_the_reference_does(
     cached = [0, 61, 130, 16, 7, 40][: len(q_lens)]
     q, k_cache, v_cache, meta = _batch(3, q_lens, cached, 4, 2, 16, 4, torch.float64)
     want = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
-    torch.testing.assert_close(paged_attention_torch(q, k_cache, v_cache, meta, 0.25), want,
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, 0.25), want,
                                atol=1e-12, rtol=1e-12)
     groups = meta.query_groups
     assert sorted(torch.cat([t for t, _ in groups]).tolist()) == list(range(sum(q_lens)))
