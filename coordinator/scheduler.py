@@ -55,6 +55,12 @@ EXPLORE_STEPS = 3  # ... its next steps verify nothing, this many in a row (`_ex
 # ... where K = 0 would have won the last plan had its time been priced less than this much
 # (a fraction) too dear (`BudgetedPolicy._flip`)
 EXPLORE_ERROR = 1.0
+# The same the other way (`_explores_rounds`): where the fit holds less than this weight of
+# steady drafting rounds (~230 steps after a long stretch of them, ~70 after an exploration's
+# two) and the last plan's K = 0 would have lost to its best K > 0 had that been priced less
+# than this much (a fraction) cheaper, the next EXPLORE_STEPS steps verify that best K > 0.
+ROUND_EVIDENCE = 0.5
+EXPLORE_ROUND_ERROR = 0.25
 
 
 class RoundInFlight(NamedTuple):
@@ -137,6 +143,9 @@ class BudgetedPolicy(Policy):
         self._idle_probes = 0  # probes since the last step with K > 0 (`probe_interval`)
         self._explore_left = 0  # further steps of a stretch with K = 0 (`_explores_idle`)
         self._flip = 0.0  # K = 0's overpricing that would have flipped the last plan (`best_plan`)
+        self._round_flip = 0.0  # the same of the best K > 0, where K = 0 won it
+        self._explore_rounds_left = 0  # further steps of a stretch with K > 0 (`_explores_rounds`)
+        self._exploring_rounds = False  # this step's plan is the best with K > 0 (`best_plan`)
         # Tracked rates (a-priori confidences) moved since their rows were last pushed: the
         # previous step verified drafts, or the batch changed (`draft_lengths`)
         self._rates_moved = True
@@ -332,6 +341,13 @@ class BudgetedPolicy(Policy):
         if drafted is None:
             self._flip = self._flip_error(float(times[0]), float(tokens[best] / times[best]),
                                           float(value[best]), num_reqs, price)
+            if value.size > 1:
+                rival = 1 + int(np.argmax(value[1:]))  # the best plan that drafts
+                self._round_flip = 0.0 if best else self._round_flip_error(
+                    float(tokens[0] / times[0]), float(value[0]), float(tokens[rival]),
+                    float(times[rival]), price)
+                if self._exploring_rounds:
+                    return int(counts[rival]), int(depths[rival])
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
@@ -346,6 +362,16 @@ class BudgetedPolicy(Policy):
             return max(0.0, idle_time * best_rate / num_reqs - 1.0)
         room = num_reqs - best_value  # K = 0 wins once R − price · t0 reaches the best value
         return max(0.0, price * idle_time / room - 1.0) if room > 0 else float("inf")
+
+    @staticmethod
+    def _round_flip_error(idle_rate: float, idle_value: float, tokens: float, seconds: float,
+                          price: float | None) -> float:
+        """By how much (a fraction of its time) a plan that drafts (its `tokens` in `seconds`)
+        must be priced too dear for K = 0 (its `idle_rate` tokens a second, its `idle_value` at
+        `price`) to have beaten it: 0 where it would win as priced."""
+        if price is None:
+            return max(0.0, 1.0 - tokens / seconds / idle_rate)
+        return max(0.0, (idle_value - (tokens - price * seconds)) / (price * seconds))
 
     def price_of_time(self, num_reqs: int) -> float | None:
         """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) decoded
@@ -438,12 +464,23 @@ class BudgetedPolicy(Policy):
         self._cold = self._last_round != self._steps - 1
         self._prompt_tokens = prompt_tokens
         explore = self._explores_idle(len(req_ids))
-        if self.a_priori:
-            return self._plan_a_priori(req_ids, limits, explore)
+        # Read by every plan this step makes before drafting (`best_plan`), and by no other
+        self._exploring_rounds = not explore and self._explores_rounds(len(req_ids))
+        try:
+            if self.a_priori:
+                return self._plan_a_priori(req_ids, limits, explore)
+            return self._plan_before_drafting(req_ids, limits, explore)
+        finally:
+            self._exploring_rounds = False
+
+    def _plan_before_drafting(self, req_ids: tuple[str, ...], limits: list[int], explore: bool
+                              ) -> list[int]:
+        """The budget and depth before a parallel drafter drafts (`draft_lengths`): from stale
+        survivals, or K = 0 where it explores or its idle plan holds; the lengths to draft."""
         if explore:
             self._budget, depth = 0, 0
             self._idle_plan = None
-        elif self._idle_plan_holds(req_ids, limits):
+        elif not self._exploring_rounds and self._idle_plan_holds(req_ids, limits):
             self._budget, depth = 0, 0
         else:
             self._budget, depth = self.budget_before_drafting(req_ids, limits)
@@ -473,7 +510,8 @@ class BudgetedPolicy(Policy):
         only with verified drafts, so an idle batch's plan holds as a parallel drafter's does
         (`_idle_plan_holds`), and its rows are pushed again only once they moved: planning
         every idle step cost ~0.4 ms, 7% of a step at 4 in flight (draft model, T = 1)."""
-        if not explore and not self._rates_moved and self._idle_plan_holds(req_ids, limits):
+        if (not explore and not self._exploring_rounds and not self._rates_moved
+                and self._idle_plan_holds(req_ids, limits)):
             self._budget, self._planned = 0, [0] * len(limits)
             return list(self._planned)
         conf = self.tracker.rates(req_ids)[:, : self.gamma]
@@ -517,6 +555,35 @@ class BudgetedPolicy(Policy):
                 or fit.idle_weight >= IDLE_EVIDENCE):
             return False
         self._explore_left = EXPLORE_STEPS - 1
+        return True
+
+    def _explores_rounds(self, num_reqs: int) -> bool:
+        """Whether this step verifies the best plan that drafts, K = 0 aside, to learn what such
+        a step costs now: EXPLORE_STEPS steps in a row, after a step with K = 0, once the fit of
+        this kind of batch holds less than ROUND_EVIDENCE of steady drafting rounds
+        (`StepTimeFit.round_weight`), where that plan came within EXPLORE_ROUND_ERROR of
+        winning, outside steps that prefill.
+
+        `_explores_idle` the other way. What a step with a round costs beyond one without (the
+        drafting scales, the pass after a round, the work of a step with drafts) is learned
+        from steady rounds only, and a budget that stopped speculating runs none: whatever
+        those parts read when it stopped, it keeps. A load spike while speculating (1 in
+        flight, T = 1: six slow steps took the further positions' scale from 0.20 to 1.43 and
+        the pass after a round from 0.24 to 1.85 ms) priced a round ~3 ms dearer than it
+        runs, and the budget idled for the next ~1,000 steps at 0.23 tokens a ms where fixed
+        k = 3 made 0.27: its probes' rounds, cold and catching up, teach none of those parts.
+        Where speculation is far from paying (a plan that drafts would have to cost a quarter
+        less) nothing is explored."""
+        if self._prompt_tokens:
+            return False
+        if self._explore_rounds_left > 0:
+            self._explore_rounds_left -= 1
+            return True
+        fit = self._fits.get((self._sampled, num_reqs.bit_length()))
+        if (not self._idle or self._round_flip >= EXPLORE_ROUND_ERROR or fit is None
+                or fit.round_weight >= ROUND_EVIDENCE):
+            return False
+        self._explore_rounds_left = EXPLORE_STEPS - 1
         return True
 
     def probe_budget(self, req_ids: tuple[str, ...], drafts: list[int]) -> int:

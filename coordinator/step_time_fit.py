@@ -135,6 +135,7 @@ class StepTimeFit:
         self._depth = [0.0] * 5
         # [tokens committed, seconds of decoding] of every step (`add_tokens`)
         self._throughput = [0.0, 0.0]
+        self._rounds = 0.0  # the weight of steady drafting rounds (`round_weight`)
         self._prior_scale = 1.0  # the verify scale's prior (`add`)
         self._prior_fixed = 0.0  # the prior of a pass's fixed cost (`add`)
         self._fit = Fit()
@@ -163,6 +164,14 @@ class StepTimeFit:
         return self._verify_zz[1][1] - self._verify_zz[3][3]
 
     @property
+    def round_weight(self) -> float:
+        """The weight (in steps, decayed like every sum) of steady drafting rounds: what the
+        drafting scales and a round's other costs were last learned from. Where it is ~0 they
+        are what they read when the budget stopped speculating (`BudgetedPolicy`'s
+        exploration of rounds)."""
+        return self._rounds
+
+    @property
     def knows_drafting(self) -> bool:
         """Whether a drafting round entered the drafting scale (a steady one, or one that beat
         its profile while catching up); else `draft_scale` is the profile's guess."""
@@ -188,6 +197,7 @@ class StepTimeFit:
         drafting round ran before the pass in its step."""
         other = max(0.0, seconds - verify_seconds - draft_seconds)
         with_round = drafting > 0
+        self._rounds = FORGET * self._rounds + float(with_round and steady)
         if not steady and draft_seconds >= drafting:
             drafting = draft_seconds = further = 0.0
         if prefill or not steady:

@@ -1076,10 +1076,10 @@ def test_a_cold_rounds_premium_is_spread_over_the_steps_left() -> None:
     assert cold_policy().draft_lengths([3], ("a",)) == [0]
 
 
-def run_batch(policy, cost, ids, conf, steps, evict=1.0, budgets=None):  # noqa: ANN001, ANN201
+def run_batch(policy, cost, ids, conf, steps, evict=1.0, budgets=None, round_seconds=0.5):  # noqa: ANN001, ANN201, E501
     """`steps` steps of `policy` over `ids`, the drafts' confidences `conf` for each position:
     verify as profiled, plus `evict` seconds for a pass after a round in this or the previous
-    step (the drafter evicted the target's weights), a round 0.5 s; a request verifying ℓ
+    step (the drafter evicted the target's weights), a round `round_seconds`; a request verifying ℓ
     drafts accepts Σ_{j<=ℓ} a_j of them on average (alternating the integers around it).
     Appends (K, depth drafted) per step to `budgets`."""
     budgets = [] if budgets is None else budgets
@@ -1096,7 +1096,8 @@ def run_batch(policy, cost, ids, conf, steps, evict=1.0, budgets=None):  # noqa:
         tokens = len(ids) + sum(planned)
         drafted = any(lengths)
         verify = cost.verify_time(tokens) + (evict if drafted or drafted_before else 0.0)
-        policy.observe_time(verify + 0.5 * drafted, tokens, 0.5 * drafted, verify)
+        policy.observe_time(verify + round_seconds * drafted, tokens, round_seconds * drafted,
+                            verify)
         budgets.append((k, max(lengths)))
         drafted_before = drafted
     return budgets
@@ -1123,12 +1124,52 @@ def test_a_budget_that_keeps_speculating_measures_what_not_speculating_costs(mon
     # The first pass after the round (1 s dearer) stayed out: K = 0 is priced as measured after.
     assert policy.step_time(4, [0] * 4) == pytest.approx(cost.verify_time(4), rel=0.02)
     budgets = run_batch(policy, cost, ids, [0.6] * 3, 100, budgets=budgets)
-    # It idles: only probes draft (backing off), verifying what their paid rounds drafted.
-    assert sum(depth > 0 for _, depth in budgets[-100:]) <= 3
+    # It idles: only probes draft (backing off), verifying what their paid rounds drafted, and
+    # one stretch of EXPLORE_STEPS measures what a round costs now (`_explores_rounds`).
+    assert sum(depth > 0 for _, depth in budgets[-100:]) <= 3 + EXPLORE_STEPS
     # Without exploring, the same batch speculates throughout.
     monkeypatch.setattr(scheduler, "IDLE_EVIDENCE", 0.0)
     blind = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
     assert all(k == 12 for k, _ in run_batch(blind, cost, ids, [0.6] * 3, 100))
+
+
+def test_a_budget_idled_by_a_load_spike_measures_rounds_again_and_speculates(monkeypatch) -> None:  # noqa: ANN001, E501
+    # Regression: six slow rounds while speculating (a load spike) priced rounds ~3 ms too
+    # dear and the budget stopped; a stopped budget runs no steady round, the only kind that
+    # teaches the drafting scales (its probes' rounds, cold, enter only where they beat the
+    # profile), so it idled for good where speculation paid (1 in flight, T = 1: ~1,000 steps
+    # at 0.23 tokens a ms where fixed k = 3 made 0.27). Here a round is profiled at 0.25 s and
+    # runs 0.3 s, 1 s during the spike: at 0.4 a position a step with drafts makes 1.62
+    # tokens in 1.33 s against 1 in 1.01 s without, but 0.80 tokens a second at 1 s a round.
+    from dspark.coordinator import scheduler
+    from dspark.coordinator.scheduler import EXPLORE_STEPS
+
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 65)), draft=(0.0,),
+                     draft_first=(0.25,))
+    conf = [0.4] * 3
+
+    def spiked() -> list:
+        policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+        budgets = run_batch(policy, cost, ("a",), conf, 40, evict=0.0, round_seconds=0.3)
+        # Speculating, as it pays (three steps measure K = 0: `_explores_idle`)
+        assert sum(k == 3 for k, _ in budgets) >= len(budgets) - 6
+        run_batch(policy, cost, ("a",), conf, 40, evict=0.0, budgets=budgets, round_seconds=1.0)
+        assert sum(k > 0 for k, _ in budgets[-12:]) <= 3  # the spike stopped it (probes aside)
+        return run_batch(policy, cost, ("a",), conf, 400, evict=0.0, budgets=budgets,
+                         round_seconds=0.3)[80:]
+
+    after = spiked()
+    # Once the spike's rounds weigh little (~230 steps), it explores EXPLORE_STEPS steps in a
+    # row, learns the round is cheap again, and speculates from then on (but for the few steps
+    # that measure K = 0).
+    explored = next(i for i in range(len(after))
+                    if all(k > 0 for k, _ in after[i: i + EXPLORE_STEPS]))
+    assert explored < 300
+    resumed = after[explored:]
+    assert sum(k == 3 for k, _ in resumed) >= 0.9 * len(resumed)
+    # Without exploring rounds it stays idle: only probes draft.
+    monkeypatch.setattr(scheduler, "ROUND_EVIDENCE", 0.0)
+    assert sum(k > 0 for k, _ in spiked()) < 0.1 * 400
 
 
 @pytest.mark.parametrize(("conf", "explored"), [(0.95, 0), (0.7, 2)])
