@@ -61,6 +61,9 @@ EXPLORE_ERROR = 1.0
 # than this much (a fraction) cheaper, the next EXPLORE_STEPS steps verify that best K > 0.
 ROUND_EVIDENCE = 0.5
 EXPLORE_ROUND_ERROR = 0.25
+# ... and at least this many steps after the last such stretch, doubled by each one since the
+# budget last chose K > 0 itself, up to PROBE_MAX_GAP << 3
+EXPLORE_ROUND_GAP = 64
 
 
 class RoundInFlight(NamedTuple):
@@ -146,6 +149,8 @@ class BudgetedPolicy(Policy):
         self._round_flip = 0.0  # the same of the best K > 0, where K = 0 won it
         self._explore_rounds_left = 0  # further steps of a stretch with K > 0 (`_explores_rounds`)
         self._exploring_rounds = False  # this step's plan is the best with K > 0 (`best_plan`)
+        self._round_explorations = 0  # stretches since the budget last chose K > 0 itself
+        self._explored_at = -(PROBE_MAX_GAP << 3)  # the step the last such stretch began
         # Tracked rates (a-priori confidences) moved since their rows were last pushed: the
         # previous step verified drafts, or the batch changed (`draft_lengths`)
         self._rates_moved = True
@@ -468,8 +473,12 @@ class BudgetedPolicy(Policy):
         self._exploring_rounds = not explore and self._explores_rounds(len(req_ids))
         try:
             if self.a_priori:
-                return self._plan_a_priori(req_ids, limits, explore)
-            return self._plan_before_drafting(req_ids, limits, explore)
+                lengths = self._plan_a_priori(req_ids, limits, explore)
+            else:
+                lengths = self._plan_before_drafting(req_ids, limits, explore)
+            if not self._idle and not self._exploring_rounds:
+                self._round_explorations = 0
+            return lengths
         finally:
             self._exploring_rounds = False
 
@@ -573,17 +582,24 @@ class BudgetedPolicy(Policy):
         runs, and the budget idled for the next ~1,000 steps at 0.23 tokens a ms where fixed
         k = 3 made 0.27: its probes' rounds, cold and catching up, teach none of those parts.
         Where speculation is far from paying (a plan that drafts would have to cost a quarter
-        less) nothing is explored."""
+        less) nothing is explored; where it is close but does not pay, stretches that find so
+        come ever rarer (EXPLORE_ROUND_GAP, doubled by each): at 16 in flight, T = 1, where no
+        fixed k beat `off`, exploring whenever the evidence had faded (a stretch every ~40
+        steps, each a cold round catching up on 16 requests' rows) ran at 0.965x the budget
+        without it, paired."""
         if self._prompt_tokens:
             return False
         if self._explore_rounds_left > 0:
             self._explore_rounds_left -= 1
             return True
         fit = self._fits.get((self._sampled, num_reqs.bit_length()))
+        gap = min(EXPLORE_ROUND_GAP << self._round_explorations, PROBE_MAX_GAP << 3)
         if (not self._idle or self._round_flip >= EXPLORE_ROUND_ERROR or fit is None
-                or fit.round_weight >= ROUND_EVIDENCE):
+                or fit.round_weight >= ROUND_EVIDENCE or self._steps - self._explored_at < gap):
             return False
         self._explore_rounds_left = EXPLORE_STEPS - 1
+        self._explored_at = self._steps
+        self._round_explorations = min(self._round_explorations + 1, 8)
         return True
 
     def probe_budget(self, req_ids: tuple[str, ...], drafts: list[int]) -> int:
