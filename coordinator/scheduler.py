@@ -353,6 +353,8 @@ class BudgetedPolicy(Policy):
                     float(times[rival]), price)
                 if self._exploring_rounds:
                     return int(counts[rival]), int(depths[rival])
+            else:  # no plan drafts (no request may draft): none to explore
+                self._round_flip = float("inf")
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
