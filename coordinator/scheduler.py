@@ -191,6 +191,11 @@ class BudgetedPolicy(Policy):
                 self.cost.draft_time(num_reqs, depth, self._sampled),
                 float(self.cost.further_time(num_reqs, depth, self._sampled)))
 
+    def _fit_of(self, num_reqs: int) -> StepTimeFit | None:
+        """The running fit of this step's kind of batch (`time_fit`'s key); None before a step
+        of that kind was timed."""
+        return self._fits.get((self._sampled, num_reqs.bit_length()))
+
     def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
         """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
         drafting parts, of a cold round, and seconds per request), for batches that sample or
@@ -384,7 +389,7 @@ class BudgetedPolicy(Policy):
         """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) decoded
         lately (`StepTimeFit.throughput`): the budget's price of a step's time; None before one
         was timed (then each step maximises its own ratio)."""
-        fit = self._fits.get((self._sampled, num_reqs.bit_length()))
+        fit = self._fit_of(num_reqs)
         return None if fit is None else fit.throughput
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> np.ndarray:  # [num_reqs, γ]
@@ -561,7 +566,7 @@ class BudgetedPolicy(Policy):
         if self._explore_left > 0:
             self._explore_left -= 1
             return True
-        fit = self._fits.get((self._sampled, num_reqs.bit_length()))
+        fit = self._fit_of(num_reqs)
         if (self._idle or self._flip >= EXPLORE_ERROR or fit is None or not fit.knows_verify
                 or fit.idle_weight >= IDLE_EVIDENCE):
             return False
@@ -594,7 +599,7 @@ class BudgetedPolicy(Policy):
         if self._explore_rounds_left > 0:
             self._explore_rounds_left -= 1
             return True
-        fit = self._fits.get((self._sampled, num_reqs.bit_length()))
+        fit = self._fit_of(num_reqs)
         gap = min(EXPLORE_ROUND_GAP << self._round_explorations, PROBE_MAX_GAP << 3)
         if (not self._idle or self._round_flip >= EXPLORE_ROUND_ERROR or fit is None
                 or fit.round_weight >= ROUND_EVIDENCE or self._steps - self._explored_at < gap):
