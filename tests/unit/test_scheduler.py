@@ -1128,7 +1128,7 @@ def test_a_budget_that_keeps_speculating_measures_what_not_speculating_costs(mon
     # one stretch of EXPLORE_STEPS measures what a round costs now (`_explores_rounds`).
     assert sum(depth > 0 for _, depth in budgets[-100:]) <= 3 + EXPLORE_STEPS
     # Those stretches come ever rarer while they keep finding that speculation does not pay:
-    # gaps of 64, 128, 256, ... steps (at most 4 in 1,000 steps, ~14 at a fixed gap of ~70).
+    # gaps of 64, 128, 256, ... steps (at most 4 in 1,000 steps; 12 without the backoff).
     budgets = run_batch(policy, cost, ids, [0.6] * 3, 1000, budgets=budgets)
     late = [k > 0 for k, _ in budgets[-1000:]]
     stretches = sum(all(late[i: i + EXPLORE_STEPS]) and (i == 0 or not late[i - 1])
