@@ -27,11 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from numpy.typing import ArrayLike
 from tqdm import tqdm
 
 
@@ -61,7 +59,7 @@ class CostModel:
         return _lookup(self.verify_sampled if sampled and self.verify_sampled else self.verify,
                        num_tokens)
 
-    def _draft_costs(self, num_reqs: int, sampled: bool) -> tuple[float, float]:
+    def draft_costs(self, num_reqs: int, sampled: bool = False) -> tuple[float, float]:
         """(first position, each further position) of a drafting round over `num_reqs`."""
         per = self.draft_sampled if sampled and self.draft_sampled else self.draft
         first = self.draft_first_sampled if sampled and self.draft_first_sampled else self.draft_first
@@ -78,13 +76,8 @@ class CostModel:
         """Time of a drafting round of `positions` sequential positions over `num_reqs`."""
         if positions <= 0:
             return 0.0
-        first, each = self._draft_costs(num_reqs, sampled)
+        first, each = self.draft_costs(num_reqs, sampled)
         return first + (positions - 1) * each
-
-    def further_time(self, num_reqs: int, positions: ArrayLike, sampled: bool = False) -> Any:
-        """The part of `draft_time` for the positions beyond a round's first (a float, or an
-        array for an array of position counts): what a deeper round adds."""
-        return np.maximum(np.asarray(positions) - 1, 0) * self._draft_costs(num_reqs, sampled)[1]
 
     def step_time(self, num_tokens: int, num_reqs: int = 0, draft_positions: int = 0,
                   sampled: bool = False) -> float:
@@ -105,7 +98,7 @@ class CostModel:
     def draft_times(self, num_reqs: int, positions: np.ndarray, sampled: bool = False
                     ) -> np.ndarray:  # [n] float64
         """`draft_time` of rounds of `positions[i]` positions over `num_reqs` ([n] int)."""
-        first, each = self._draft_costs(num_reqs, sampled)
+        first, each = self.draft_costs(num_reqs, sampled)
         return np.where(positions > 0, positions * each + (first - each), 0.0)
 
     @functools.cached_property

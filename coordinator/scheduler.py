@@ -113,7 +113,9 @@ def survivals_of(confidences: torch.Tensor | np.ndarray) -> np.ndarray:  # [num_
     arithmetic, worse right after a forward pass has flushed the caches."""
     if isinstance(confidences, torch.Tensor):
         confidences = confidences.detach().cpu().numpy()
-    return np.cumprod(np.clip(confidences.astype(np.float64, copy=False), 0.0, 1.0), axis=1)
+    # ufuncs, not np.clip / np.cumprod: their Python wrappers cost more than the work here
+    clipped = np.minimum(np.maximum(confidences.astype(np.float64, copy=False), 0.0), 1.0)
+    return np.multiply.accumulate(clipped, axis=1)
 
 
 class BudgetedPolicy(Policy):
@@ -185,11 +187,11 @@ class BudgetedPolicy(Policy):
                         ) -> tuple[float, float, float]:
         """(verify, drafting, further) seconds the profile gives a step of this batch's kind;
         `further` is the part of `drafting` for the positions beyond the round's first."""
+        verify = self.cost.verify_time(num_tokens, self._sampled)
         if depth <= 0:  # no round (most steps where speculation does not pay)
-            return self.cost.verify_time(num_tokens, self._sampled), 0.0, 0.0
-        return (self.cost.verify_time(num_tokens, self._sampled),
-                self.cost.draft_time(num_reqs, depth, self._sampled),
-                float(self.cost.further_time(num_reqs, depth, self._sampled)))
+            return verify, 0.0, 0.0
+        first, each = self.cost.draft_costs(num_reqs, self._sampled)
+        return verify, first + (depth - 1) * each, (depth - 1) * each
 
     def _fit_of(self, num_reqs: int) -> StepTimeFit | None:
         """The running fit of this step's kind of batch (`time_fit`'s key); None before a step
@@ -312,23 +314,25 @@ class BudgetedPolicy(Policy):
         prompt_tokens = self._prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
         # Candidates [n]: K slots, their tokens and the round's depth; K = 0 first. A probe's
-        # round is paid whatever its depth: its candidates are the prefixes of the whole order.
-        top = int(pos.max()) if pos.size else 0
-        caps = np.arange(1, top + 1) if drafted is None else np.array([top])
-        keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
-        counts = np.cumsum(keep, axis=1)[keep]
-        sums = np.cumsum(np.where(keep, a, 0.0), axis=1)[keep]
-        depths = (np.maximum.accumulate(np.where(keep, pos, 0), axis=1)[keep] if drafted is None
-                  else np.full(counts.size, drafted))
-        counts = np.concatenate(([0], counts))
-        tokens = num_reqs + np.concatenate(([0.0], sums))
-        depths = np.concatenate(([0 if drafted is None else drafted], depths))
-        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
-                                        self._sampled)[counts]
-        drafting = self.cost.draft_times(num_reqs, depths, self._sampled)
-        further = self.cost.further_time(num_reqs, depths, self._sampled)
-        times = self.time_fit(num_reqs).apply(verify, drafting, num_reqs, cold, further,
-                                              depths > 0)
+        # round is paid whatever its depth: its candidates are the prefixes of the whole order,
+        # as are a lone request's (its K-th slot is its K-th position).
+        if drafted is not None or num_reqs == 1:
+            counts = np.arange(a.size + 1)
+            tokens = num_reqs + np.concatenate(([0.0], a.cumsum()))
+            depths = counts if drafted is None else np.full(counts.size, drafted)
+            verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1, self._sampled)
+        else:
+            caps = np.arange(1, int(pos.max()) + 1) if pos.size else pos
+            keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
+            counts = np.concatenate(([0], keep.cumsum(axis=1)[keep]))
+            tokens = num_reqs + np.concatenate(([0.0], np.where(keep, a, 0.0).cumsum(axis=1)[keep]))
+            depths = np.concatenate(([0], np.maximum.accumulate(np.where(keep, pos, 0),
+                                                                axis=1)[keep]))
+            verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
+                                            self._sampled)[counts]
+        first, each = self.cost.draft_costs(num_reqs, self._sampled)
+        times = self.time_fit(num_reqs).candidate_times(verify, depths, first, each, num_reqs,
+                                                        cold)
         times[0 if drafted else 1:] += catch_up
         price = self.price_of_time(num_reqs)
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
@@ -347,12 +351,12 @@ class BudgetedPolicy(Policy):
         else:
             value = tokens - price * times
             gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
-        best = int(np.argmax(value))  # the first maximum: the shallowest, smallest K on ties
+        best = int(value.argmax())  # the first maximum: the shallowest, smallest K on ties
         if drafted is None:
             self._flip = self._flip_error(float(times[0]), float(tokens[best] / times[best]),
                                           float(value[best]), num_reqs, price)
             if value.size > 1:
-                rival = 1 + int(np.argmax(value[1:]))  # the best plan that drafts
+                rival = 1 + int(value[1:].argmax())  # the best plan that drafts
                 self._round_flip = 0.0 if best else self._round_flip_error(
                     float(tokens[0] / times[0]), float(value[0]), float(tokens[rival]),
                     float(times[rival]), price)
@@ -403,7 +407,7 @@ class BudgetedPolicy(Policy):
             rows.append(own if own is not None else fallback)
         if not rows:
             return np.zeros((0, self.gamma))
-        return np.stack(rows)
+        return np.array(rows)
 
     def _fallback_row(self) -> np.ndarray:  # [γ]
         """The row of a request without rows of its own: the batch means' long-run average,

@@ -62,6 +62,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 FORGET = 0.98  # weight kept by each older step: the fit follows ~50 recent steps
 MAX_RATIO = 4.0  # a step's measured part counts for at most this many times its prediction
 RIDGE = 0.05  # weight of the verify scale's prior, as a share of the passes' own weight
@@ -107,6 +109,29 @@ class Fit:
         if self.round_per_request is not None:  # (drafting > 0): 0 or 1, or an array of them
             other = other + num_reqs * (self.round_per_request - self.per_request) * (drafting > 0)
         return verify + steady + premium + other
+
+    def candidate_times(self, verify: np.ndarray, depths: np.ndarray, first: float, each: float,
+                        num_reqs: int, cold: float = 0.0) -> np.ndarray:
+        """`apply` of candidate steps ([n] profiled verify seconds, [n] round depths, 0 for no
+        round) of one batch, whose rounds' profile is `first` for the first position and `each`
+        for every further one. The same sum, grouped as s · verify + c₀ + c₁ · [d > 0] +
+        c₂ · (d − 1)⁺ with the coefficients in plain floats: the budget evaluates every
+        candidate every step, where each numpy call costs ~5 µs (the forward passes before it
+        evict the caches), more than the arithmetic."""
+        if self.first_scale is None or self.further_scale is None:
+            first_scale = further_scale = self.draft_scale
+        else:
+            first_scale, further_scale = self.first_scale, self.further_scale
+        premium = cold * (self.resume_scale - self.draft_scale)
+        base = (self.verify_fixed + max(num_reqs - 1, 0) * self.verify_per_sequence
+                + num_reqs * self.per_request)
+        per_round = self.verify_after_round + (first_scale + premium) * first
+        if self.round_per_request is not None:
+            per_round += num_reqs * (self.round_per_request - self.per_request)
+        per_further = (further_scale + premium) * each
+        has_round = depths > 0
+        further = np.maximum(depths - 1, 0)
+        return self.verify_scale * verify + base + per_round * has_round + per_further * further
 
     def verify_time(self, verify: Any, num_reqs: int, after_round: Any = False) -> Any:
         """Estimated seconds of a verify pass profiled at `verify`, of `num_reqs` sequences,

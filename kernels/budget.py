@@ -94,14 +94,16 @@ def rank_slots(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # (a, j 1-based, r): each [num_slots]
     """Every admissible slot (r, j), best first by key (−a, j, r): the order `allocate` takes
     them in, and the order the scheduler's budget walks. numpy: this runs every step on arrays
-    small enough that torch's per-op dispatch would dominate."""
+    small enough that torch's per-op dispatch would dominate. A lone request's slots need no
+    sort: its survivals never grow with j, and ties go to the smaller j."""
     num_reqs, width = survivals.shape
-    pos = np.arange(1, width + 1)[:, None]  # [width, 1]
-    valid = pos <= np.asarray(limits)[None, :]  # [width, num_reqs]
-    # Column-major order lists the slots by (j, r) already; one stable sort on −a then gives
-    # the full key.
-    a = survivals.T[valid]
-    order = np.argsort(-a, kind="stable")
-    j = np.broadcast_to(pos, valid.shape)[valid]
-    r = np.broadcast_to(np.arange(num_reqs)[None, :], valid.shape)[valid]
-    return a[order], j[order], r[order]
+    if num_reqs == 1:
+        n = min(int(limits[0]), width)
+        return survivals[0, :n], np.arange(1, n + 1), np.zeros(n, dtype=np.int64)
+    valid = np.arange(1, width + 1)[:, None] <= np.asarray(limits)[None, :]  # [width, num_reqs]
+    # The admissible slots in row-major order of [width, num_reqs] are listed by (j, r)
+    # already; one stable sort on −a then gives the full key.
+    j, r = valid.nonzero()
+    a = survivals[r, j]
+    order = (-a).argsort(kind="stable")
+    return a[order], j[order] + 1, r[order]

@@ -29,6 +29,43 @@ def test_slots_sorted_by_survival_then_position_then_request() -> None:
     assert [(s.req, s.pos) for s in sorted_slots(surv, [1, 0])] == [(0, 1)]
 
 
+def test_a_lone_requests_slots_are_ranked_as_the_full_key_ranks_them() -> None:
+    from dspark.kernels.budget import rank_slots
+
+    # Its shortcut (no sort: survivals never grow with j) against the key (−a, j) itself, on
+    # rows with ties (confidences of 1 and repeated values) and every limit.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        conf = rng.choice([0.0, 0.5, 0.9, 1.0, rng.random()], size=(1, 7))
+        surv = survivals_of(conf)
+        for limit in range(8):
+            a, j, r = rank_slots(surv, [limit])
+            order = sorted(range(limit), key=lambda i: (-surv[0, i], i))
+            assert j.tolist() == [i + 1 for i in order] and r.tolist() == [0] * limit
+            assert a.tolist() == [surv[0, i] for i in order]
+
+
+def test_candidate_step_times_equal_the_fit_applied_to_each() -> None:
+    # The budget's grouped form (`Fit.candidate_times`) against `Fit.apply` of each candidate,
+    # for fits with and without a split of the drafting scale and a cost of rounds' other work.
+    rng = np.random.default_rng(1)
+    depths = np.array([0, 1, 2, 3, 5, 7, 0, 4])
+    verify = rng.random(depths.size)
+    first, each = 0.3, 0.07
+    for split, busy in ((False, None), (True, None), (True, 0.004), (False, 0.002)):
+        fit = Fit(verify_scale=0.8, verify_per_sequence=0.001, draft_scale=1.1, per_request=0.002,
+                  resume_scale=1.6, round_per_request=busy,
+                  first_scale=1.3 if split else None, further_scale=0.6 if split else None,
+                  verify_fixed=0.01, verify_after_round=0.02)
+        for num_reqs, cold in ((1, 0.0), (5, 1.0), (12, 0.3)):
+            drafting = np.where(depths > 0, first + (depths - 1) * each, 0.0)
+            further = np.maximum(depths - 1, 0) * each
+            expected = [fit.apply(float(v), float(d), num_reqs, cold, float(f), bool(n > 0))
+                        for v, d, f, n in zip(verify, drafting, further, depths)]
+            got = fit.candidate_times(verify, depths, first, each, num_reqs, cold)
+            assert got.tolist() == pytest.approx(expected)
+
+
 @pytest.mark.parametrize(("conf", "per_token", "expected_k"), [
     # step_time = 1 + per_token·B. With R = 1: K=0 gives 1/(1+c); adding slots helps while
     # the marginal survival beats the marginal cost ratio.
