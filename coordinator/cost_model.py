@@ -86,7 +86,7 @@ class CostModel:
 
     def verify_times(self, num_tokens: int, count: int, sampled: bool = False) -> np.ndarray:
         """[count] seconds of verify passes of `num_tokens` + i tokens, i = 0..count−1: the
-        budget's candidate passes of one batch (`draft_times` their rounds). numpy,
+        budget's candidate passes of one batch. numpy,
         not torch: the budget calls this every step, where each torch op's dispatch (~5 µs)
         costs more than its arithmetic; within the profiled range it is a slice of the table."""
         sampled = sampled and bool(self.verify_sampled)
@@ -94,12 +94,6 @@ class CostModel:
         if num_tokens >= 1 and num_tokens + count - 1 <= table.shape[0]:
             return table[num_tokens - 1:num_tokens - 1 + count]
         return _lookup_many(table, num_tokens + np.arange(count))
-
-    def draft_times(self, num_reqs: int, positions: np.ndarray, sampled: bool = False
-                    ) -> np.ndarray:  # [n] float64
-        """`draft_time` of rounds of `positions[i]` positions over `num_reqs` ([n] int)."""
-        first, each = self.draft_costs(num_reqs, sampled)
-        return np.where(positions > 0, positions * each + (first - each), 0.0)
 
     @functools.cached_property
     def _verify_array(self) -> np.ndarray:  # [B_max] float64, built once (frozen tables)

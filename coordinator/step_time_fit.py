@@ -98,40 +98,36 @@ class Fit:
         (`resume_scale` − `draft_scale`) this step is charged, 1.0 for all of it; the drafter
         ran no round in the step before. `after_round`: whether a drafting round ran before
         the pass (bools, or an array of them; default: whether the step drafts)."""
-        if self.first_scale is None or self.further_scale is None:
-            steady = self.draft_scale * drafting
-        else:
-            steady = self.first_scale * (drafting - further) + self.further_scale * further
-        premium = cold * (self.resume_scale - self.draft_scale) * drafting
-        after_round = drafting > 0 if after_round is None else after_round
-        verify = self.verify_time(verify, num_reqs, after_round)
-        other = num_reqs * self.per_request
-        if self.round_per_request is not None:  # (drafting > 0): 0 or 1, or an array of them
-            other = other + num_reqs * (self.round_per_request - self.per_request) * (drafting > 0)
-        return verify + steady + premium + other
+        other, first_scale, further_scale = self._round_terms(num_reqs, cold)
+        has_round = drafting > 0
+        after_round = has_round if after_round is None else after_round
+        return (self.verify_time(verify, num_reqs, after_round) + num_reqs * self.per_request
+                + other * has_round + first_scale * (drafting - further) + further_scale * further)
 
     def candidate_times(self, verify: np.ndarray, depths: np.ndarray, first: float, each: float,
                         num_reqs: int, cold: float = 0.0) -> np.ndarray:
         """`apply` of candidate steps ([n] profiled verify seconds, [n] round depths, 0 for no
         round) of one batch, whose rounds' profile is `first` for the first position and `each`
-        for every further one. The same sum, grouped as s · verify + c₀ + c₁ · [d > 0] +
-        c₂ · (d − 1)⁺ with the coefficients in plain floats: the budget evaluates every
-        candidate every step, where each numpy call costs ~5 µs (the forward passes before it
-        evict the caches), more than the arithmetic."""
+        for every further one, with the per-round terms summed in plain floats first: the
+        budget evaluates every candidate every step, where each numpy call costs ~5 µs (the
+        forward passes before it evict the caches), more than the arithmetic."""
+        other, first_scale, further_scale = self._round_terms(num_reqs, cold)
+        per_round = self.verify_after_round + other + first_scale * first
+        return (self.verify_time(verify, num_reqs) + num_reqs * self.per_request
+                + per_round * (depths > 0) + further_scale * each * np.maximum(depths - 1, 0))
+
+    def _round_terms(self, num_reqs: int, cold: float) -> tuple[float, float, float]:
+        """(other work a round adds to the step, the scale of its first position's profiled
+        seconds, of its further positions'), the `cold` share of a cold round's premium
+        included in both scales."""
         if self.first_scale is None or self.further_scale is None:
             first_scale = further_scale = self.draft_scale
         else:
             first_scale, further_scale = self.first_scale, self.further_scale
         premium = cold * (self.resume_scale - self.draft_scale)
-        base = (self.verify_fixed + max(num_reqs - 1, 0) * self.verify_per_sequence
-                + num_reqs * self.per_request)
-        per_round = self.verify_after_round + (first_scale + premium) * first
-        if self.round_per_request is not None:
-            per_round += num_reqs * (self.round_per_request - self.per_request)
-        per_further = (further_scale + premium) * each
-        has_round = depths > 0
-        further = np.maximum(depths - 1, 0)
-        return self.verify_scale * verify + base + per_round * has_round + per_further * further
+        other = (0.0 if self.round_per_request is None
+                 else num_reqs * (self.round_per_request - self.per_request))
+        return other, first_scale + premium, further_scale + premium
 
     def verify_time(self, verify: Any, num_reqs: int, after_round: Any = False) -> Any:
         """Estimated seconds of a verify pass profiled at `verify`, of `num_reqs` sequences,

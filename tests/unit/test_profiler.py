@@ -67,7 +67,8 @@ def test_drafting_round_cost_first_position_then_each_and_sampled_tables() -> No
     pos = np.array([0, 1, 2, 4])
     for sampled in (False, True):
         expected = [cost.step_time(1 + i, 2, int(p), sampled) for i, p in enumerate(pos)]
-        times = cost.verify_times(1, len(pos), sampled) + cost.draft_times(2, pos, sampled)
+        rounds = [cost.draft_time(2, int(p), sampled) for p in pos]
+        times = cost.verify_times(1, len(pos), sampled) + np.array(rounds)
         assert times.tolist() == pytest.approx(expected)
     # A forward-only profile (no draft_first) keeps the old meaning: positions x per position.
     old = CostModel("t", verify=(1.0,), draft=(0.1, 0.2))
@@ -142,8 +143,8 @@ def test_sampled_batches_read_the_sampled_verify_table_if_profiled() -> None:
     cost = CostModel("t", verify=(1.0, 2.0), verify_sampled=(1.5, 3.0))
     assert cost.verify_time(2) == 2.0 and cost.verify_time(2, sampled=True) == 3.0
     assert cost.step_time(2, 1, 0, sampled=True) == 3.0
-    verify, drafting = cost.verify_times(1, 2, True), cost.draft_times(1, np.array([0, 0]), True)
-    assert verify.tolist() == [1.5, 3.0] and drafting.tolist() == [0.0, 0.0]
+    verify = cost.verify_times(1, 2, True)
+    assert verify.tolist() == [1.5, 3.0] and cost.draft_time(1, 0, sampled=True) == 0.0
     assert CostModel("t", verify=(1.0, 2.0)).verify_time(2, sampled=True) == 2.0  # older profile
 
 
