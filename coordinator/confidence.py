@@ -86,11 +86,18 @@ class DriftCorrection:
         return [(acc + DRIFT_PRIOR) / (pred + DRIFT_PRIOR) for pred, acc in self._sums[sampled]]
 
     def correct(self, confidences: torch.Tensor, sampled: Sequence[bool]) -> torch.Tensor:
-        """c' = min(1, ρ·c) row by row. confidences: [num_reqs, max_draft]"""
+        """c' = min(1, ρ·c) row by row. confidences: [num_reqs, max_draft]. In numpy (the
+        result shares its memory): a handful of floats a request, where each torch op's
+        dispatch costs more than the arithmetic."""
         width = confidences.shape[1]
-        rows = [self.ratios(bool(s))[:width] for s in sampled]
-        rho = torch.tensor(rows, dtype=torch.float64).view(len(rows), width)
-        return (confidences.to(torch.float64) * rho).clamp(max=1.0)
+        kinds = set(sampled)
+        if len(kinds) == 1:  # one kind in the batch (the usual case): one row for all
+            rho = np.array(self.ratios(kinds.pop())[:width])  # [width]
+        else:
+            both = np.array([self.ratios(False)[:width], self.ratios(True)[:width]])
+            rho = both[np.asarray(sampled, dtype=np.intp)]  # [num_reqs, width]
+        raw = confidences.detach().cpu().numpy().astype(np.float64, copy=False)
+        return torch.from_numpy(np.minimum(raw * rho, 1.0))
 
     def add(self, sampled: bool, position: int, confidence: float, accepted: bool) -> None:
         """One reached slot at `position` (0-based) with the head's raw conditional confidence."""

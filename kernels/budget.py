@@ -77,13 +77,15 @@ def allocate_survivals(
     budget: int,
 ) -> np.ndarray:  # [num_reqs] int64 counts, Σ = min(budget, Σ limits)
     """Counts of the first `budget` slots of `rank_slots`: `allocate` for a caller that holds
-    survivals in numpy already (the scheduler, every step). A budget of no slot or of every slot
-    needs no ranking."""
+    survivals in numpy already (the scheduler, every step). A budget of no slot or of every slot,
+    or of a lone request's slots (a prefix of its positions), needs no ranking."""
     limits = np.asarray(limits, dtype=np.int64)
     if budget <= 0:
         return np.zeros_like(limits)
     if budget >= int(limits.sum()):
         return limits.copy()
+    if limits.size == 1:  # a lone request's slots are its positions in order
+        return np.array([budget], dtype=np.int64)
     chosen = rank_slots(survivals, limits)[2][:budget]
     return np.bincount(chosen, minlength=survivals.shape[0]).astype(np.int64)
 
