@@ -85,8 +85,7 @@ def workload_for(a: argparse.Namespace, load: float) -> Workload:
 
 def run(a: argparse.Namespace) -> dict[str, list[dict]]:
     policies, loads = configs(a)
-    draft_tokens = 1 if a.draft_model else a.gamma  # a block drafter brings γ tokens per request
-    cost = load_curve(a.gpu, draft_tokens_per_req=draft_tokens)
+    cost = load_curve(a.gpu, block_size=None if a.draft_model else a.gamma)
     pool = DraftPool(cost, a.draft_pool, a.hop_ms / 1e3) if a.draft_pool else None
     lanes = a.lanes or (2 if pool else 1)
     trace = read_trace(a.trace) if a.trace else None

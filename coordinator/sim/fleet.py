@@ -63,7 +63,7 @@ class FleetConfig:
     max_num_seqs: int = 256  # requests running per replica
     lanes: int = 1  # batch loops per replica sharing its GPU
     pool: DraftPool | None = None  # None: drafting on the replica's own GPU
-    sequential_drafts: bool = False  # True: a draft model, one forward per drafted position
+    sequential_drafts: bool = False  # True: a draft model (the policies plan before drafting)
     confidence_head: bool = True  # False: confidences from the AcceptanceTracker (a priori)
     overhead_s: float = 0.0  # per step, serial with the GPU (the engine's Python)
     overhead_per_req_s: float = 0.0  # per step and running request
@@ -143,14 +143,16 @@ class _Fleet:
         n = lane.batch_size
         if positions <= 0:
             return now
-        sequential = positions if self.cfg.sequential_drafts else 1
+        # A round of `positions` as the cost model has it, as the policies price it: a draft
+        # model's forward per position, a block drafter's block pass then a Markov-head step
+        # per further position (`hardware.roofline_cost`).
         pool = self.cfg.pool
         if pool is None:
-            return self.gpu(lane.replica, now, self.cfg.cost.draft_time(n, sequential))
+            return self.gpu(lane.replica, now, self.cfg.cost.draft_time(n, positions))
         at_pool = now + pool.hop_s
         worker = min(range(len(self.pool_free)), key=self.pool_free.__getitem__)
         start = max(at_pool, self.pool_free[worker])
-        self.pool_free[worker] = start + pool.cost.draft_time(n, sequential)
+        self.pool_free[worker] = start + pool.cost.draft_time(n, positions)
         return self.pool_free[worker] + pool.hop_s
 
     def route(self, req: SimRequest, now: float) -> None:

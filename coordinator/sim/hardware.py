@@ -52,6 +52,8 @@ GPUS: dict[str, GpuClass] = {
 
 TARGET_8B = ModelSpec("dense-8b-bf16", 8e9, 16e9)
 DRAFT_DSPARK = ModelSpec("dspark-drafter-0.5b-bf16", 0.5e9, 1e9)  # a few layers + shared head
+MARKOV_RANK = 256  # the DSpark drafter's Markov head (DeepSpec's configs)
+VOCAB = 151_936  # Qwen3's vocabulary, the released drafters' targets
 
 MEM_EFFICIENCY = 0.8
 FLOP_EFFICIENCY = 0.6
@@ -66,26 +68,46 @@ def forward_time(gpu: GpuClass, model: ModelSpec, num_tokens: int, launch_s: flo
     return launch_s + max(memory, compute)
 
 
+def markov_step_time(gpu: GpuClass, num_reqs: int, mem_eff: float = MEM_EFFICIENCY) -> float:
+    """Seconds of one Markov-head position of a DSpark round over `num_reqs` requests (DESIGN.md
+    §5: logits U_k + W2(W1[x_{k−1}]) over the vocabulary, then a draw): memory-bound, it reads W2
+    (rank × vocabulary, bf16) and writes and reads back each request's fp32 logits row. No launch
+    floor of its own: the loop runs inside the round's captured graph. (The paper measures the
+    whole sequential loop at 0.2–1.3% of a round at batch 128.)"""
+    moved = MARKOV_RANK * VOCAB * 2 + 2 * 4 * num_reqs * VOCAB
+    return moved / (gpu.mem_bw * mem_eff)
+
+
 def roofline_cost(gpu: str | GpuClass, target: ModelSpec = TARGET_8B,
                   drafter: ModelSpec | None = DRAFT_DSPARK, b_max: int = 8192, n_max: int = 2048,
-                  draft_tokens_per_req: int = 1, **kwargs: float) -> CostModel:
-    """A `CostModel` for a GPU class: verify of 1..b_max tokens, one draft forward of 1..n_max
-    requests (each bringing `draft_tokens_per_req` tokens: γ for a parallel block drafter)."""
+                  block_size: int | None = None, **kwargs: float) -> CostModel:
+    """A `CostModel` for a GPU class: verify of 1..b_max tokens, and a drafting round over
+    1..n_max requests. `block_size` γ: a DSpark block drafter, whose round's first position is
+    one forward of γ tokens per request (the block pass) and each further position one
+    Markov-head step (`markov_step_time`); None: a sequential draft model, one forward of one
+    token per request per position. The engine profiles its drafters the same way (a round's
+    first position apart from each further one), so the simulated policies price a round as
+    the simulator's clock charges it."""
     g = GPUS[gpu] if isinstance(gpu, str) else gpu
     verify = tuple(forward_time(g, target, b, **kwargs) for b in range(1, b_max + 1))
     draft: tuple[float, ...] = ()
-    if drafter is not None:
-        draft = tuple(forward_time(g, drafter, n * draft_tokens_per_req, **kwargs)
-                      for n in range(1, n_max + 1))
+    first: tuple[float, ...] = ()
+    if drafter is not None and block_size is None:
+        draft = tuple(forward_time(g, drafter, n, **kwargs) for n in range(1, n_max + 1))
+    elif drafter is not None:
+        mem_eff = kwargs.get("mem_eff", MEM_EFFICIENCY)
+        draft = tuple(markov_step_time(g, n, mem_eff) for n in range(1, n_max + 1))
+        first = tuple(forward_time(g, drafter, n * block_size, **kwargs) + step
+                      for n, step in zip(range(1, n_max + 1), draft, strict=True))
     meta = {"gpu": g.name, "target": target.name, "drafter": drafter.name if drafter else "",
             "source": "roofline (coordinator/sim/hardware.py)"}
-    return CostModel(f"roofline-{g.name}-{target.name}", verify, draft, meta)
+    return CostModel(f"roofline-{g.name}-{target.name}", verify, draft, meta, draft_first=first)
 
 
 def load_curve(spec: str, drafter: ModelSpec | None = DRAFT_DSPARK,
-               draft_tokens_per_req: int = 1) -> CostModel:
-    """`spec` is a GPU class name (h100, h200, a100, l40s) or the path of a profiled JSON."""
+               block_size: int | None = None) -> CostModel:
+    """`spec` is a GPU class name (h100, h200, a100, l40s) or the path of a profiled JSON;
+    `block_size` as in `roofline_cost` (a profile knows its drafter's rounds already)."""
     if spec.lower() in GPUS:
-        return roofline_cost(spec.lower(), drafter=drafter,
-                             draft_tokens_per_req=draft_tokens_per_req)
+        return roofline_cost(spec.lower(), drafter=drafter, block_size=block_size)
     return CostModel.load(spec)

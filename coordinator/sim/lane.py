@@ -133,7 +133,7 @@ class Lane:
             self.running[rid] = Live(req, rid, start_state(req))
 
     def begin(self, block_of) -> int:  # noqa: ANN001
-        """Plan drafting for the running requests; returns the sequential draft positions."""
+        """Plan drafting for the running requests; returns the round's depth (positions)."""
         self._reqs = list(self.running.values())
         ids = tuple(x.rid for x in self._reqs)
         caps = [max(0, x.req.output_len - x.output - 1) for x in self._reqs]

@@ -37,7 +37,7 @@ def _workload(users: int) -> Workload:
 
 def _run(gpu: str, draft_model: bool, gamma: int, policy: str, users: int,
          pool_workers: int = 0, hop_ms: float = 0.0, head_noise: float = 0.5) -> dict:
-    cost = load_curve(gpu, draft_tokens_per_req=1 if draft_model else gamma)
+    cost = load_curve(gpu, block_size=None if draft_model else gamma)
     pool = DraftPool(cost, pool_workers, hop_ms / 1e3) if pool_workers else None
     cfg = FleetConfig(cost=cost, policy=policy, gamma=gamma, replicas=REPLICAS,
                       max_num_seqs=256, lanes=2 if pool else 1, pool=pool,

@@ -164,8 +164,10 @@ def test_network_hop_adds_to_every_step() -> None:
     colocated = simulate(base, wl, certain).end_time
     pool = DraftPool(cost, workers=1, hop_s=0.005)
     remote = simulate(FleetConfig(**{**base.__dict__, "pool": pool}), wl, certain).end_time
-    assert colocated == pytest.approx(3 * (STEP + 0.002))
-    assert remote == pytest.approx(3 * (STEP + 0.002 + 2 * 0.005))
+    round_s = cost.draft_time(1, 2)  # two positions of 2 ms: a forward-only profile's round
+    assert round_s == pytest.approx(0.004)
+    assert colocated == pytest.approx(3 * (STEP + round_s))
+    assert remote == pytest.approx(3 * (STEP + round_s + 2 * 0.005))
 
 
 def test_block_accepts_the_leading_run_only() -> None:
@@ -207,3 +209,43 @@ def test_prefill_admission_limit_spreads_new_prompts_over_steps() -> None:
     res = simulate(cfg, fixed_batch(4, 5, prompt=100), PositionModel())
     ttfts = sorted(r.first_token for r in res.requests)
     assert ttfts == pytest.approx([STEP, STEP, 2 * STEP, 2 * STEP])
+
+
+def test_a_block_drafters_round_is_charged_as_the_policies_price_it() -> None:
+    # Regression: the clock charged a DSpark round one block pass whatever its depth, while the
+    # policies priced a forward per position (a roofline without `draft_first`), so simulated
+    # `confidence` cut its blocks short where a deeper one was nearly free (0.78-0.89x fixed
+    # k = 7 at 1-16 users on an H200).
+    from dspark.coordinator.sim.hardware import (DRAFT_DSPARK, GPUS, forward_time,
+                                                 markov_step_time)
+
+    cost = roofline_cost("h200", block_size=7)
+    first, each = cost.draft_costs(16)
+    h200 = GPUS["h200"]
+    assert first == pytest.approx(forward_time(h200, DRAFT_DSPARK, 16 * 7)
+                                  + markov_step_time(h200, 16))
+    assert each == pytest.approx(markov_step_time(h200, 16)) and each < 0.1 * first
+    # One request, every draft accepted: two steps of 8 tokens (16-token prompt), each paying
+    # the round the cost model gives.
+    certain = PositionModel(gamma=7, base=(1.0,) * 7, sigma_req=0, sigma_step=0, sigma_head=0,
+                            has_head=False)
+    cfg = FleetConfig(cost=cost, policy="fixed", gamma=7, max_num_seqs=4, progress=False)
+    res = simulate(cfg, fixed_batch(1, 16), certain)
+    assert len(res.steps) == 2
+    assert res.end_time == pytest.approx(2 * cost.draft_time(1, 7) + cost.verify_time(16 + 7)
+                                         + cost.verify_time(1 + 7))
+
+
+def test_confidence_verifies_whole_blocks_where_they_are_nearly_free() -> None:
+    # A memory-bound verify pass and a round whose further positions cost a Markov-head step
+    # each: at 4 users the budget should verify about as deep as fixed k = 7 and run as fast.
+    cost = roofline_cost("h200", block_size=7)
+    wl = Workload(kind="closed", clients=4, num_requests=8, prompt_mean=64, output_mean=64)
+    tput = {}
+    for name in ("fixed", "confidence"):
+        cfg = FleetConfig(cost=cost, policy=name, gamma=7, max_num_seqs=64, progress=False)
+        s = summarize(simulate(cfg, wl, PositionModel(gamma=7)))
+        tput[name] = s["throughput_tok_s"]
+        if name == "confidence":
+            assert s["verified_per_request_step"] > 7.0
+    assert tput["confidence"] >= 0.97 * tput["fixed"]
