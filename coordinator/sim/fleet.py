@@ -140,7 +140,7 @@ class _Fleet:
 
     def draft(self, lane: Lane, now: float, positions: int) -> float:
         """When the lane's drafts are ready (colocated: on its GPU; else on the pool)."""
-        n = lane.batch_size
+        n = lane.drafting  # a probe's round drafts a few requests of the batch, not all
         if positions <= 0:
             return now
         # A round of `positions` as the cost model has it, as the policies price it: a draft

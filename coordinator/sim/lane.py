@@ -132,6 +132,11 @@ class Lane:
             rid = f"r{req.index}"
             self.running[rid] = Live(req, rid, start_state(req))
 
+    @property
+    def drafting(self) -> int:
+        """Requests of the step under way that draft (after `begin`)."""
+        return sum(1 for n in self._lengths if n > 0)
+
     def begin(self, block_of) -> int:  # noqa: ANN001
         """Plan drafting for the running requests; returns the round's depth (positions)."""
         self._reqs = list(self.running.values())

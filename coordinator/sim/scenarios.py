@@ -2,7 +2,8 @@
 
 - `disagg`: drafting colocated on each target GPU against a shared draft pool (1, 2, 4 workers
   for 2 replicas) behind a 0.1 / 1 / 3 ms network hop, for a sequential draft model (γ = 5, no
-  head: drafting costs γ forwards) and the DSpark block drafter (γ = 7, one forward);
+  head: drafting costs γ forwards) and the DSpark block drafter (γ = 7: one block forward, then
+  a Markov-head step per further position);
 - `oracle`: `confidence` against `oracle` as the head's error grows (σ of its logit error
   0, 0.5, 1, 2), at a moderate and a high load.
 
