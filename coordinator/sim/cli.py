@@ -5,7 +5,7 @@ open one) one simulation runs; the table, `simulate.json` and `simulate.png` (th
 per-user speed, throughput and verified tokens against load) go to `--out`.
 
 Example (a quick one):
-    dspark simulate --gpu h100 --replicas 2 --policy off,confidence --load 64,256 \\
+    dspark simulate --gpu h100 --replicas 2 --policy off,fixed=3,confidence --load 64,256 \\
         --requests-per-user 2 --output-mean 64 --out runs/sim_quick
 """
 
@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="h100",
                    help=f"step-time curve: a GPU class ({', '.join(GPUS)}) or a profiled JSON")
     p.add_argument("--policy", default="off,fixed,equal,confidence,oracle",
-                   help=f"comma-separated, from {', '.join(SIM_POLICIES)}")
+                   help=f"comma-separated, from {', '.join(SIM_POLICIES)}; fixed=K for fixed "
+                        "ℓ = K (plain `fixed`: ℓ = γ), e.g. off,fixed=1,fixed=3,confidence")
     p.add_argument("--gamma", type=int, default=7, help="block size γ (ℓ for fixed)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256, help="running requests per replica")
@@ -66,12 +67,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="simulate", help="file stem of the JSON and PNG in --out")
 
 
-def configs(a: argparse.Namespace) -> tuple[list[str], list[float]]:
-    policies = [x.strip() for x in a.policy.split(",") if x.strip()]
-    bad = [x for x in policies if x not in SIM_POLICIES]
-    if bad:
-        raise ValueError(f"policy={bad[0]!r}: choose from {list(SIM_POLICIES)}")
-    return policies, [float(x) for x in a.load.split(",")]
+def configs(a: argparse.Namespace) -> tuple[list[tuple[str, str, int]], list[float]]:
+    """([(label, policy, k)], loads): k is ℓ for `fixed` (`fixed=K`, else γ) and γ for the
+    others."""
+    arms = []
+    for label in (x.strip() for x in a.policy.split(",")):
+        if not label:
+            continue
+        name, _, k = label.partition("=")
+        if name not in SIM_POLICIES:
+            raise ValueError(f"policy={label!r}: choose from {list(SIM_POLICIES)}")
+        if k and (name != "fixed" or not k.isdigit() or not 1 <= int(k) <= a.gamma):
+            raise ValueError(f"policy={label!r}: only fixed takes =K, 1 <= K <= γ = {a.gamma}")
+        arms.append((label, name, int(k) if k else a.gamma))
+    return arms, [float(x) for x in a.load.split(",")]
 
 
 def workload_for(a: argparse.Namespace, load: float) -> Workload:
@@ -84,15 +93,15 @@ def workload_for(a: argparse.Namespace, load: float) -> Workload:
 
 
 def run(a: argparse.Namespace) -> dict[str, list[dict]]:
-    policies, loads = configs(a)
+    arms, loads = configs(a)
     cost = load_curve(a.gpu, block_size=None if a.draft_model else a.gamma)
     pool = DraftPool(cost, a.draft_pool, a.hop_ms / 1e3) if a.draft_pool else None
     lanes = a.lanes or (2 if pool else 1)
     trace = read_trace(a.trace) if a.trace else None
     curves: dict[str, list[dict]] = {}
-    cells = [(p, load) for p in policies for load in loads]
-    for policy, load in tqdm(cells, desc="simulate", unit="run"):
-        cfg = FleetConfig(cost=cost, policy=policy, gamma=a.gamma, replicas=a.replicas,
+    cells = [(arm, load) for arm in arms for load in loads]
+    for (label, policy, k), load in tqdm(cells, desc="simulate", unit="run"):
+        cfg = FleetConfig(cost=cost, policy=policy, gamma=k, replicas=a.replicas,
                           max_num_seqs=a.max_num_seqs, lanes=lanes, pool=pool,
                           sequential_drafts=a.draft_model, confidence_head=not a.draft_model,
                           overhead_s=a.overhead_ms / 1e3, duration_s=a.duration, seed=a.seed,
@@ -103,7 +112,7 @@ def run(a: argparse.Namespace) -> dict[str, list[dict]]:
                                   has_head=not a.draft_model))
         wl = workload_for(a, load)
         summary = summarize(simulate(cfg, wl, acc, trace=trace))
-        curves.setdefault(policy, []).append({"load": load, **summary})
+        curves.setdefault(label, []).append({"load": load, **summary})
     _print(curves)
     out = Path(a.out)
     meta = {k: v for k, v in vars(a).items() if k != "fn"}

@@ -249,3 +249,18 @@ def test_confidence_verifies_whole_blocks_where_they_are_nearly_free() -> None:
         if name == "confidence":
             assert s["verified_per_request_step"] > 7.0
     assert tput["confidence"] >= 0.97 * tput["fixed"]
+
+
+def test_simulate_cli_takes_fixed_k_arms_and_refuses_others() -> None:
+    import argparse
+
+    from dspark.coordinator.sim.cli import configs
+
+    a = argparse.Namespace(policy="off,fixed=1,fixed=3,fixed,confidence", gamma=7, load="1,64")
+    arms, loads = configs(a)
+    assert arms == [("off", "off", 7), ("fixed=1", "fixed", 1), ("fixed=3", "fixed", 3),
+                    ("fixed", "fixed", 7), ("confidence", "confidence", 7)]
+    assert loads == [1.0, 64.0]
+    for bad in ("fixed=0", "fixed=8", "fixed=x", "equal=2", "greedy"):
+        with pytest.raises(ValueError, match="policy="):
+            configs(argparse.Namespace(policy=bad, gamma=7, load="1"))
