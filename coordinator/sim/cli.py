@@ -104,6 +104,7 @@ def run(a: argparse.Namespace) -> dict[str, list[dict]]:
         cfg = FleetConfig(cost=cost, policy=policy, gamma=k, replicas=a.replicas,
                           max_num_seqs=a.max_num_seqs, lanes=lanes, pool=pool,
                           sequential_drafts=a.draft_model, confidence_head=not a.draft_model,
+                          drafts_from_target=not a.draft_model,
                           overhead_s=a.overhead_ms / 1e3, duration_s=a.duration, seed=a.seed,
                           max_prefill_tokens=a.max_prefill_tokens or None,
                           progress=False)

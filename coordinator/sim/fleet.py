@@ -64,6 +64,9 @@ class FleetConfig:
     lanes: int = 1  # batch loops per replica sharing its GPU
     pool: DraftPool | None = None  # None: drafting on the replica's own GPU
     sequential_drafts: bool = False  # True: a draft model (the policies plan before drafting)
+    # The drafter reads the target's hidden rows (DSpark): it drafts nothing for a request whose
+    # prompt is in the step's pass, as in the engine
+    drafts_from_target: bool = False
     confidence_head: bool = True  # False: confidences from the AcceptanceTracker (a priori)
     overhead_s: float = 0.0  # per step, serial with the GPU (the engine's Python)
     overhead_per_req_s: float = 0.0  # per step and running request
@@ -120,7 +123,8 @@ class _Fleet:
                 policy = make_sim_policy(cfg.policy, cfg.gamma, policy_cost, tracker,
                                          not cfg.confidence_head, cfg.sequential_drafts)
                 self.lanes.append(Lane(len(self.lanes), rep, policy, tracker, cfg.gamma,
-                                       per_lane, cfg.confidence_head))
+                                       per_lane, cfg.confidence_head,
+                                       drafts_from_target=cfg.drafts_from_target))
         self.queues: list[list[SimRequest]] = [[] for _ in self.lanes]
         self.load = np.zeros(len(self.lanes), dtype=np.int64)
         self.gpu_free = np.zeros(cfg.replicas)
@@ -201,9 +205,11 @@ def simulate(cfg: FleetConfig, workload: Workload, acceptance, trace=None) -> Si
             if not lane.running:
                 lane.busy = False
                 continue
+            lane.began = now
             positions = lane.begin(block_of)
             fleet.push(fleet.draft(lane, now, positions), DRAFTED, arg)
         elif kind == DRAFTED:
+            lane.drafted_at = now
             seconds = (step_compute(cfg, lane.verify_tokens(), lane.prefill_tokens) + cfg.overhead_s
                        + cfg.overhead_per_req_s * lane.batch_size)
             fleet.push(fleet.gpu(lane.replica, now, seconds), COMMIT, arg)

@@ -100,6 +100,9 @@ class Lane:
     gamma: int
     max_num_seqs: int
     confidence_head: bool
+    # The drafter reads the target's hidden rows (DSpark): like the engine (`Engine._draft_cap`),
+    # it drafts nothing for a request whose prompt is in this step's pass
+    drafts_from_target: bool = False
     running: dict[str, Live] = field(default_factory=dict)
     busy: bool = False
     # Between begin and commit:
@@ -110,6 +113,8 @@ class Lane:
     _budget: int = 0
     _num_tokens: int = 0
     prefill_tokens: int = 0  # of the planned pass's B: prompt tokens past each new one's first
+    began: float = 0.0  # simulated time the step under way began (`begin`)
+    drafted_at: float = 0.0  # ... and its drafts were ready
 
     @property
     def batch_size(self) -> int:
@@ -141,8 +146,12 @@ class Lane:
         """Plan drafting for the running requests; returns the round's depth (positions)."""
         self._reqs = list(self.running.values())
         ids = tuple(x.rid for x in self._reqs)
-        caps = [max(0, x.req.output_len - x.output - 1) for x in self._reqs]
-        self._lengths = self.policy.draft_lengths(caps, ids)
+        caps = [0 if self.drafts_from_target and not x.prefilled
+                else max(0, x.req.output_len - x.output - 1) for x in self._reqs]
+        # As the engine does, the policy learns what the pass carries beyond one token a
+        # request: the prompts being prefilled (their time is paid whatever it plans).
+        prompts = sum(x.req.prompt_len - 1 for x in self._reqs if not x.prefilled)
+        self._lengths = self.policy.draft_lengths(caps, ids, prompt_tokens=prompts)
         self._block = block_of([x.acc_state for x in self._reqs])
         if self._block.max_drafts is not None:
             caps = self._block.max_drafts.tolist()
@@ -205,6 +214,10 @@ class Lane:
         state = StepState(0, self._budget, tuple(steps))
         self.tracker.observe(state)
         self.policy.observe(state)
+        # The step's simulated times, as the engine times its own (the policy's online fit of
+        # step times and its price of time read them)
+        self.policy.observe_time(now - self.began, self._num_tokens, self.drafted_at - self.began,
+                                 now - self.drafted_at)
         out = StepOutcome(now, self.replica, len(self._reqs), self._num_tokens, int(planned.sum()),
                           int(accepted.sum()), committed_total, expected, self._budget,
                           tuple(finished))

@@ -46,6 +46,7 @@ def _run(gpu: str, draft_model: bool, gamma: int, policy: str, users: int,
     cfg = FleetConfig(cost=cost, policy=policy, gamma=gamma, replicas=REPLICAS,
                       max_num_seqs=256, lanes=2 if pool else 1, pool=pool,
                       sequential_drafts=draft_model, confidence_head=not draft_model,
+                      drafts_from_target=not draft_model,
                       duration_s=15.0, max_prefill_tokens=8192, progress=False)
     acc = PositionModel(gamma=gamma, sigma_head=head_noise, has_head=not draft_model)
     return summarize(simulate(cfg, _workload(users), acc))
