@@ -352,25 +352,27 @@ class BudgetedPolicy(Policy):
             value = tokens - price * times
             gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
         best = int(value.argmax())  # the first maximum: the shallowest, smallest K on ties
-        # How close the last decode step's plan came to flipping, what the explorations read
-        # (they run in decode steps only). Beside a prompt the pass's time dominates both
-        # sides and the margins shrink: read from such a plan, a K = 0 that would have had to
-        # be priced 4x too dear to win (4 in flight, a simulated H200) looked 8% from winning,
-        # and the next decode steps explored it, three idle steps each time.
-        decode = prompt_tokens == 0
-        if drafted is None and decode:
-            self._flip = self._flip_error(float(times[0]), float(tokens[best] / times[best]),
-                                          float(value[best]), num_reqs, price)
-        if drafted is None and value.size > 1:
-            rival = 1 + int(value[1:].argmax())  # the best plan that drafts
-            if decode:
+        if drafted is None:
+            # How close K = 0 came to winning, read by `_explores_idle` in the next decode
+            # steps: from decode steps' plans only. Beside a prompt the pass's time dominates
+            # both sides and the margin shrinks: at 16 in flight on a simulated H200, plans
+            # beside 141–196 prompt tokens had K = 0 win if priced 16–20% too dear, where decode
+            # steps' plans put that at 78–99%, and each time the next decode steps idled three
+            # in a row to measure it (9,380 tok/s; 9,734 without those two stretches). (The
+            # rounds' exploration keeps reading every plan: on the CPU, with the draft model at
+            # 4 in flight, T = 1, reading decode steps only cut the drafts it verified 4x.)
+            if not prompt_tokens:
+                self._flip = self._flip_error(float(times[0]), float(tokens[best] / times[best]),
+                                              float(value[best]), num_reqs, price)
+            if value.size > 1:
+                rival = 1 + int(value[1:].argmax())  # the best plan that drafts
                 self._round_flip = 0.0 if best else self._round_flip_error(
                     float(tokens[0] / times[0]), float(value[0]), float(tokens[rival]),
                     float(times[rival]), price)
-            if self._exploring_rounds:
-                return int(counts[rival]), int(depths[rival])
-        elif drafted is None and decode:  # no plan drafts (no request may draft): none to explore
-            self._round_flip = float("inf")
+                if self._exploring_rounds:
+                    return int(counts[rival]), int(depths[rival])
+            else:  # no plan drafts (no request may draft): none to explore
+                self._round_flip = float("inf")
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
