@@ -29,8 +29,8 @@ REPLICAS = 2
 LOAD = 256  # users in a closed loop: 128 per replica
 HOPS_MS = (0.1, 1.0, 3.0)
 WORKERS = (1, 2, 4)
-# The oracle's loads: both verify whole blocks at the first; at the second (128 per replica) the
-# budget binds and still speculates (at 256 per replica both stop: nothing to compare)
+# The oracle's loads: at the first (32 per replica) the budget hardly binds; at the second (128
+# per replica) it binds and still speculates (at 256 per replica both stop: nothing to compare)
 ORACLE_USERS = (64, 256)
 
 
