@@ -112,7 +112,7 @@ class Lane:
     _planned: list[int] | None = None
     _budget: int = 0
     _num_tokens: int = 0
-    prefill_tokens: int = 0  # of the planned pass's B: prompt tokens past each new one's first
+    prefill_tokens: int = 0  # of the step's pass (`begin`): prompt tokens past each new one's first
     began: float = 0.0  # simulated time the step under way began (`begin`)
     drafted_at: float = 0.0  # ... and its drafts were ready
 
@@ -150,8 +150,8 @@ class Lane:
                 else max(0, x.req.output_len - x.output - 1) for x in self._reqs]
         # As the engine does, the policy learns what the pass carries beyond one token a
         # request: the prompts being prefilled (their time is paid whatever it plans).
-        prompts = sum(x.req.prompt_len - 1 for x in self._reqs if not x.prefilled)
-        self._lengths = self.policy.draft_lengths(caps, ids, prompt_tokens=prompts)
+        self.prefill_tokens = sum(x.req.prompt_len - 1 for x in self._reqs if not x.prefilled)
+        self._lengths = self.policy.draft_lengths(caps, ids, prompt_tokens=self.prefill_tokens)
         self._block = block_of([x.acc_state for x in self._reqs])
         if self._block.max_drafts is not None:
             caps = self._block.max_drafts.tolist()
@@ -188,7 +188,6 @@ class Lane:
         assert self._planned is not None
         self._num_tokens = sum((1 if x.prefilled else x.req.prompt_len) + ell
                                for x, ell in zip(self._reqs, self._planned, strict=True))
-        self.prefill_tokens = sum(x.req.prompt_len - 1 for x in self._reqs if not x.prefilled)
         return self._num_tokens
 
     def commit(self, now: float) -> StepOutcome:
