@@ -26,8 +26,12 @@ if TYPE_CHECKING:  # bound on first launch by lazy_jit (dspark.kernels.dispatch)
     import triton.language as tl
 
 
-# Requests of at most this many query tokens (verify blocks, decode steps) share one padded call
-# of the torch path; each longer one (a prompt) goes with those of its power-of-two length class.
+# What one more call of the torch path costs, in attended (query row, key) pairs: a pass of 64
+# verify blocks of 1..8 tokens (150 cached each, the demo target, one thread) took 0.43 ms more
+# for each extra call and 16 us more for each padded query row, so about 32 rows of 150 keys.
+GROUP_OVERHEAD = 32 * 150
+# Query lengths up to this are classes of their own; longer ones (prompts) class by power of
+# two, which bounds the classes (and the cut's work, quadratic in them) at ~30.
 SHORT_QUERY = 16
 
 
@@ -100,21 +104,44 @@ class AttentionMetadata:
 
     @cached_property
     def query_groups(self) -> tuple[tuple[torch.Tensor, AttentionMetadata], ...]:
-        """(token indices, layout) of each group of requests `paged_attention` (without triton) attends in
-        one call: those of at most SHORT_QUERY tokens, and the longer ones by power-of-two
-        length class; one group (the whole batch) where that is all there is. Built once per
+        """(token indices, layout) of each group of requests `paged_attention` (without triton)
+        attends in one call; one group (the whole batch) where that is cheapest. Built once per
         forward, as the layout is, and shared by the layers.
 
-        The reference pads every request's queries to the batch's longest: a pass that prefills
-        one prompt of 155 tokens beside 15 verify blocks of 4 attended 16 x 155 query rows,
-        145 ms where the prompt alone took 43 and the blocks alone 24 (the demo target, one
-        thread, 150 cached tokens each)."""
-        classes: dict[int, list[int]] = {}
-        for r, n in enumerate(self.q_lens):
-            classes.setdefault(0 if n <= SHORT_QUERY else next_power_of_2(n), []).append(r)
-        if len(classes) == 1:
+        The reference pads every request to the longest query and the longest context of its
+        call, and each call costs GROUP_OVERHEAD besides. Length classes (each length up to
+        SHORT_QUERY, then powers of two) sorted by length are cut into runs, a class never
+        apart, minimising the sum over runs of GROUP_OVERHEAD + requests x longest query x
+        longest context, by dynamic programming over the classes.
+
+        A pass that prefills one prompt of 155 tokens beside 15 verify blocks of 4 attended
+        16 x 155 query rows in one call, 145 ms where the prompt alone took 43 and the blocks
+        alone 24; 64 verify blocks of geometric lengths 1..8 took 47 ms in one call and 44 in
+        runs (the demo target, one thread, 150 cached tokens each)."""
+        q_lens, ctx = self.q_lens, self.seq_lens.tolist()
+        classes: dict[int, list[int]] = {}  # length class: its requests, ascending
+        for r, n in enumerate(q_lens):
+            classes.setdefault(n if n <= SHORT_QUERY else next_power_of_2(n), []).append(r)
+        keys = sorted(classes)
+        lengths = [max(q_lens[r] for r in classes[key]) for key in keys]
+        counts = [len(classes[key]) for key in keys]
+        class_ctx = [max(ctx[r] for r in classes[key]) for key in keys]
+        best = [0] * (len(lengths) + 1)  # best[j]: cost of the first j classes, cut[j] its cut
+        cut = [0] * (len(lengths) + 1)
+        for j in range(1, len(lengths) + 1):
+            reqs, longest_ctx, best[j] = 0, 0, -1
+            for i in range(j - 1, -1, -1):  # the run of classes i .. j-1
+                reqs, longest_ctx = reqs + counts[i], max(longest_ctx, class_ctx[i])
+                cost = best[i] + GROUP_OVERHEAD + reqs * lengths[j - 1] * longest_ctx
+                if best[j] < 0 or cost < best[j]:
+                    best[j], cut[j] = cost, i
+        runs, j = [], len(lengths)
+        while j:
+            runs.append(sorted(r for key in keys[cut[j] : j] for r in classes[key]))
+            j = cut[j]
+        if len(runs) == 1:
             return ((torch.arange(self.positions.shape[0], device=self.positions.device), self),)
-        return tuple(self.select(rows) for _, rows in sorted(classes.items()))
+        return tuple(self.select(rows) for rows in reversed(runs))
 
 
 def kv_write_ref(
@@ -173,8 +200,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Dispatch: varlen causal attention over the paged cache (`paged_attention_ref`). Without
-    triton, the reference over each of `meta.query_groups` apart: padding stays within a group
-    (at most SHORT_QUERY rows a request, or twice its own)."""
+    triton, the reference over each of `meta.query_groups` apart."""
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     groups = meta.query_groups

@@ -10,11 +10,14 @@ GQA groups 1, 2 and 4, head dims 16, 24, 64 and 128.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from dspark.kernels.dispatch import HAS_TRITON
+from dspark.kernels.dispatch import HAS_TRITON, next_power_of_2
 from dspark.kernels.paged_attention import (
+    GROUP_OVERHEAD,
     SHORT_QUERY,
     AttentionMetadata,
     kv_write,
@@ -130,20 +133,45 @@ def test_attention_reads_strided_q_and_dispatches_when_forced() -> None:
     torch.testing.assert_close(forced.double(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_lens", [[155, 4, 1, 40, 8, 17], [3, 1, 9], [30, 2, 70, 33]])
-def test_torch_path_attends_groups_of_like_query_lengths_as_the_reference_does(
+def _runs_cost(runs: list[list[int]], q_lens: list[int], seq_lens: list[int]) -> int:
+    return sum(GROUP_OVERHEAD + len(run) * max(q_lens[r] for r in run)
+               * max(seq_lens[r] for r in run) for run in runs)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "q_lens",
+    [[155, 4, 1, 40, 8, 17], [3, 1, 9], [30, 2, 70, 33], [155] + [4] * 15, [5] * 6,
+     [1] * 40 + [2] * 14 + [3] * 6 + [8] * 4, [8, 3, 1, 5], [20, 31, 1, 2]],  # fmt: skip
+)
+def test_torch_path_attends_runs_of_query_lengths_as_the_reference_does(
         q_lens: list[int]) -> None:
-    # Prompts beside verify blocks: the reference pads every request to the longest query.
-    cached = [0, 61, 130, 16, 7, 40][: len(q_lens)]
+    # Prompts beside verify blocks, skewed verify blocks: the reference pads every request to
+    # the longest query; the torch path cuts the batch into the cheapest runs of lengths.
+    cached = [(0, 61, 130, 16, 7, 40)[r % 6] + r for r in range(len(q_lens))]
     q, k_cache, v_cache, meta = _batch(3, q_lens, cached, 4, 2, 16, 4, torch.float64)
     want = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, 0.25), want,
                                atol=1e-12, rtol=1e-12)
     groups = meta.query_groups
-    assert sorted(torch.cat([t for t, _ in groups]).tolist()) == list(range(sum(q_lens)))
-    for _, layout in groups:  # padding: at most SHORT_QUERY rows a request, or twice its own
-        assert all(layout.max_q <= max(SHORT_QUERY, 2 * n) for n in layout.q_lens)
-    assert len(groups) == len({0 if n <= SHORT_QUERY else (n - 1).bit_length() for n in q_lens})
+    tokens = torch.cat([t for t, _ in groups]).tolist()
+    assert sorted(tokens) == list(range(sum(q_lens)))
+    seq_lens = meta.seq_lens.tolist()
+    runs = [meta.token_req[t].unique().tolist() for t, _ in groups]
+    for run, (_, layout) in zip(runs, groups, strict=True):
+        assert [q_lens[r] for r in run] == layout.q_lens
+        assert [seq_lens[r] for r in run] == layout.seq_lens.tolist()
+    # Against every cut of the sorted length classes into runs (a class never apart): each
+    # length up to SHORT_QUERY, then powers of two.
+    key = [n if n <= SHORT_QUERY else next_power_of_2(n) for n in q_lens]
+    keys = sorted(set(key))
+    cuts = [[[r for r in range(len(q_lens)) if keys[a] <= key[r] <= keys[b - 1]]
+             for a, b in itertools.pairwise((0, *chosen, len(keys)))]
+            for k in range(len(keys))
+            for chosen in itertools.combinations(range(1, len(keys)), k)]  # fmt: skip
+    best = min(_runs_cost(cut, q_lens, seq_lens) for cut in cuts)
+    assert _runs_cost(runs, q_lens, seq_lens) == best
+    if len(set(key)) == 1:
+        assert groups == ((groups[0][0], meta),)  # the whole batch, as it is
 
 
 def test_attention_launcher_asserts_dtypes() -> None:
