@@ -32,7 +32,6 @@ from dspark.models.decoder import DecoderLM
 from dspark.models.kv_cache import PagedKVCache
 from dspark.sampling_params import SamplingParams
 
-VERIFY_BLOCK = 8  # tokens per request in a profiled verify batch (anchor + 7 drafts)
 VERIFY_STRIDE = 8  # past B = 16, verify sizes are timed this far apart and interpolated
 DENSE_VERIFY = 16  # verify sizes up to this are timed one by one and smoothed (`smooth_profile`)
 DENSE_DRAFT = 8  # likewise the drafting rounds' batch sizes
@@ -63,17 +62,11 @@ def time_forward(model: DecoderLM, q_lens: list[int], context: int, repeats: int
     return median_time(run, repeats)
 
 
-def verify_shape(num_tokens: int) -> list[int]:
-    """Split B tokens into requests of VERIFY_BLOCK tokens (the last one shorter)."""
-    full, rest = divmod(num_tokens, VERIFY_BLOCK)
-    return [VERIFY_BLOCK] * full + ([rest] if rest else [])
-
-
 def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_max: int = 64,
             context: int = 256, repeats: int = 5, key: str = "") -> CostModel:
     verify = []
     for b in tqdm(range(1, b_max + 1), desc="profile verify", unit="B"):
-        verify.append(time_forward(target, verify_shape(b), context, repeats))
+        verify.append(time_forward(target, [b], context, repeats))  # one request (see below)
     draft = []
     if drafter is not None:
         for n in tqdm(range(1, n_max + 1), desc="profile draft", unit="reqs"):
@@ -83,7 +76,7 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-PROFILE_VERSION = "workers-v12"  # part of the cache key: a new method never reads old files
+PROFILE_VERSION = "workers-v13"  # part of the cache key: a new method never reads old files
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
@@ -93,12 +86,16 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
                     ) -> CostModel:
     """Time the engine's own verbs on scratch requests (released afterwards).
 
-    verify[B-1]: `target.verify` of B tokens (requests of anchor + 7 drafts, the last shorter)
-    after `context` cached tokens, acceptance included; verify_sampled: the same at temperature
-    1, drafts with their q. Drafting rounds over n requests are
-    timed after CATCH_UP new committed tokens (with their target hidden rows for a drafter that
-    reads them), greedy and at temperature 1:
-    with 1 and S positions, draft_first = t(1) and draft = (t(S) - t(1)) / (S - 1), where S is
+    verify[B-1]: `target.verify` of one request's B tokens (an anchor and B − 1 drafts) after
+    `context` cached tokens, acceptance included; verify_sampled: the same at temperature 1,
+    drafts with their q. One request, so that the table's slope is what a further token costs:
+    a live pass of R requests pays for R sequences whatever K is, and the step-time fit learns
+    that part (`StepTimeFit`, c + v·(R − 1)). In requests of 8 tokens, each 8 tokens added a
+    sequence: a further token was profiled at 0.237 ms where a pass of 16 requests paid 0.182
+    between 16 and 128 tokens (one request: 0.183; demo target, one thread, 256 cached).
+    Drafting rounds over n requests are timed after CATCH_UP new committed tokens (with their
+    target hidden rows for a drafter that reads them), greedy and at temperature 1: with 1 and
+    S positions, draft_first = t(1) and draft = (t(S) - t(1)) / (S - 1), where S is
     DRAFT_SPAN for a proposer that drafts one position per forward (`sequential_drafts`) and
     `block` for a parallel drafter (DSpark's one block pass: a further position still costs its
     Markov-head step and its q row, much less than a forward). catch_up: seconds per row of a
@@ -129,35 +126,28 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
 
 def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats: int,
                     sampled: bool = False) -> tuple[float, ...]:
-    num = math.ceil(b_max / VERIFY_BLOCK)
     tag = "sampled" if sampled else "greedy"
-    ids = [f"__profile-verify-{tag}-{i}" for i in range(num)]
-    prompts = [prompt() for _ in ids]
+    req, text = f"__profile-verify-{tag}", prompt()
     params = SamplingParams(temperature=1.0 if sampled else 0.0)
     vocab = target.config.vocab_size
     try:
-        for i, r in enumerate(ids):
-            target.add_request(NewRequest(r, prompts[i], params, seed=i))
-        target.verify(_plan(ids, [0] * num, prompts, [0] * num))  # prefill
-        target.rollback({r: context - 1 for r in ids})  # the last prompt token is the anchor
+        target.add_request(NewRequest(req, text, params, seed=0))
+        target.verify(_plan([req], [0], [text], [0]))  # prefill
+        target.rollback({req: context - 1})  # the last prompt token is the anchor
         grid = verify_grid(b_max)
         runs = []
         for b in grid:
-            shape = verify_shape(b)
-            sub = ids[: len(shape)]
-            inputs = [p[-1:] + tuple(range(1, n)) for p, n in zip(prompts, shape)]
-            plan = _plan(sub, [context - 1] * len(sub), inputs, [n - 1 for n in shape],
-                         vocab if sampled else 0)
+            inputs = text[-1:] + tuple(range(1, b))
+            plan = _plan([req], [context - 1], [inputs], [b - 1], vocab if sampled else 0)
 
-            def run(plan: VerifyPlan = plan, sub: list[str] = sub) -> None:
+            def run(plan: VerifyPlan = plan) -> None:
                 target.verify(plan)
-                target.rollback({r: context - 1 for r in sub})
+                target.rollback({req: context - 1})
 
             runs.append(run)
         times = interleaved_medians(runs, repeats, desc=f"profile verify ({tag})")
     finally:
-        for r in ids:
-            target.release(r)
+        target.release(req)
     return monotone(_interpolate(grid, smooth_profile(grid, times, DENSE_VERIFY)))
 
 

@@ -21,22 +21,21 @@ times each part of a step, so each is read off that part's calls:
   so it makes speculation (fewer, longer steps) worth more, and the part only speculating steps
   pay makes it worth less.
 
-The verify profile times passes of B tokens in requests of 8 (an anchor and 7 drafts, the last
-request shorter: `profiler.verify_shape`), so its sizes carry ⌈B / 8⌉ sequences. A live pass of
-R requests reads R contexts and runs R sequences' bookkeeping whatever its size: a cost per
-sequence, not per token (measured at 16 in flight, contexts of ~600 rows: 12.0 ms for passes of
-11 requests' one token each, 21.7 ms for 11 requests' 78 tokens, against 5.0 and 13.2 ms
-profiled: ~0.6 ms a sequence beyond the profile, and the profile's own slope per token). A
-scale alone read that as a 2.4x dearer token and priced speculation out where fixed k = 7 ran
-at 1.23x plain decoding. So the verify part is fitted as s · profiled + c + v · (R − 1) + d ·
-[drafts] (least squares, c, v, d >= 0; `_verify_fit`): the scale is pulled toward a prior (the
-single-request batches' scale, else 1) by a small ridge, which also decides between the parts
-where the passes do not tell them apart (one pass size throughout). What this form still gets
-wrong: the profile's slope per token includes an eighth of a sequence's cost (each 8 tokens
-add a request there), while a live batch that verifies more drafts adds none; at 16 in flight,
-T = 0, a further verified token cost 0.12 ms live between passes of 88 and 122 tokens and was
-priced 0.17 ms, so deep plans there look ~40% dearer than they are (a profile over sequences
-and tokens apart would fix it; not done).
+The verify profile times one request's passes of B tokens (`profiler.profile_workers`): its
+slope is what a further token costs. A live pass of R requests reads R contexts and runs R
+sequences' bookkeeping whatever its size: a cost per sequence, not per token (measured at 16
+in flight, contexts of ~600 rows: 12.0 ms for passes of 11 requests' one token each, 21.7 ms
+for 11 requests' 78 tokens, against 5.0 and 13.2 ms profiled in requests of 8 tokens: ~0.6 ms
+a sequence beyond that profile). A scale alone read that as a 2.4x dearer token and priced
+speculation out where fixed k = 7 ran at 1.23x plain decoding. So the verify part is fitted
+as s · profiled + c + v · (R − 1) + d · [drafts] (least squares, c, v, d >= 0; `_verify_fit`):
+the scale is pulled toward a prior (the single-request batches' scale, else 1) by a small
+ridge, which also decides between the parts where the passes do not tell them apart (one pass
+size throughout). The profile was once taken in requests of 8 tokens, so each 8 tokens added a
+sequence to it, and the ridge held the scale near 1 against the live slope: a further verified
+token was priced 0.17 ms at 16 in flight (T = 0) and cost 0.12 between passes of 88 and 122
+tokens, so deep plans looked ~40% dearer than they were. One request's profile has the live
+slope (0.183 ms a token against 0.182 for 16 requests, demo target, one thread).
 
 Only decode passes enter the verify fit: a pass that also prefills a prompt relates to the
 profile (of decode passes) by another ratio (measured 0.49 for ~200-token prompts against 0.76

@@ -57,6 +57,26 @@ def test_no_proposer_gets_no_draft_tables(workers) -> None:
     assert cost.draft_time(4, 3) == 0.0
 
 
+def test_verify_profile_times_one_request_per_pass(workers, monkeypatch) -> None:
+    """Each profiled pass of B tokens is one request (an anchor and B − 1 drafts), so the table's
+    slope is a further token's cost, not a share of a further sequence's."""
+    target = workers[0]
+    plans = []
+    verify = target.verify
+
+    def recorded(plan):
+        plans.append(plan)
+        return verify(plan)
+
+    monkeypatch.setattr(target, "verify", recorded)
+    profile_workers(target, None, b_max=20, n_max=2, context=8, repeats=1)
+    assert all(len(plan.req_ids) == 1 for plan in plans)
+    timed = {(plan.draft_probs is not None, plan.num_draft[0]) for plan in plans[1:]}
+    assert {n for sampled, n in timed if not sampled} >= {b - 1 for b in verify_grid(20)}
+    assert {n for sampled, n in timed if sampled} == {b - 1 for b in verify_grid(20)} - {0}
+    assert target.usage() == {"requests": [], "used_blocks": 0}
+
+
 def test_drafting_round_cost_first_position_then_each_and_sampled_tables() -> None:
     cost = CostModel("t", verify=(1.0, 2.0), draft=(0.1, 0.2), draft_first=(0.5, 0.6),
                      draft_sampled=(0.3, 0.4), draft_first_sampled=(0.9, 1.0))
