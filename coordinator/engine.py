@@ -31,7 +31,8 @@ from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import Policy
 from dspark.coordinator.profiler import load_or_profile
 from dspark.coordinator.request import GenerationResult, Request
-from dspark.coordinator.scheduler import POLICY_NAMES, make_policy, survivals_of
+from dspark.coordinator.scheduler import POLICY_NAMES, make_policy
+from dspark.coordinator.stale_history import survivals_of
 from dspark.coordinator.trace import TraceRecorder
 from dspark.demo import demo_path
 from dspark.draft_worker.draft_model import DraftModelProposer

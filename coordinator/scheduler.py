@@ -25,56 +25,37 @@ Policies (one interface, `coordinator.policy.Policy`):
 Confidence only prioritises: whatever is admitted is still verified by the target.
 When confidences do not depend on the drafts (tracked acceptance rates), the whole plan is made
 before drafting, so an autoregressive draft model drafts exactly what will be verified.
+
+This module holds the plan (`BudgetedPolicy`: budget, depth, allocation, the step's
+bookkeeping) and the policies. What it reads lives beside it: step prices in
+`coordinator.step_pricing`, stale survival rows in `coordinator.stale_history`, the probes and
+exploration stretches in `coordinator.exploration`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.exploration import (
+    PROBE_EVERY,
+    PROBE_REQUESTS,
+    Exploration,
+    flip_error,
+    probe_interval,
+    round_flip_error,
+)
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
-from dspark.coordinator.stale_history import STALE_STEPS, StaleRow
-from dspark.coordinator.step_time_fit import Fit, StepTimeFit
+from dspark.coordinator.stale_history import STALE_STEPS, SurvivalHistory, survivals_of
+from dspark.coordinator.step_pricing import RoundInFlight, StepPricer
 from dspark.kernels.budget import allocate_survivals, rank_slots
 from dspark.messages import Drafts, StepState
 
-PROBE_EVERY = 16  # a parallel drafter idled by K = 0 still drafts every this many steps ...
-PROBE_REQUESTS = 2  # ... for this many requests of the batch (a round costs ~R) ...
-PROBE_EVERY_ALONE = 4  # ... and every this many steps for a lone request (`probe_interval`);
-PROBE_MAX_GAP = 128  # each probe that finds speculation still not worth it doubles the gap to this
 RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
-# Where a kind of batch's step-time fit holds less than this weight of decode passes without
-# drafts (`StepTimeFit.idle_weight`: ~100 steps since the last ones) ...
-IDLE_EVIDENCE = 0.25
-EXPLORE_STEPS = 3  # ... its next steps verify nothing, this many in a row (`_explores_idle`),
-# ... where K = 0 would have won the last plan had its time been priced less than this much
-# (a fraction) too dear (`BudgetedPolicy._flip`)
-EXPLORE_ERROR = 1.0
-# The same the other way (`_explores_rounds`): where the fit holds less than this weight of
-# steady drafting rounds (~230 steps after a long stretch of them, ~70 after an exploration's
-# two) and the last plan's K = 0 would have lost to its best K > 0 had that been priced less
-# than this much (a fraction) cheaper, the next EXPLORE_STEPS steps verify that best K > 0.
-ROUND_EVIDENCE = 0.5
-EXPLORE_ROUND_ERROR = 0.25
-# ... and at least this many steps after the last such stretch, doubled by each one since the
-# budget last chose K > 0 itself, up to PROBE_MAX_GAP << 3
-EXPLORE_ROUND_GAP = 64
-
-
-class RoundInFlight(NamedTuple):
-    """What `observe_time` needs of the step it times."""
-
-    num_reqs: int
-    depth: int  # positions drafted
-    steady: bool  # every drafting request drafted in the previous step too (no catch-up)
-    cold: bool  # the drafter ran no round in the previous step
-    rows: int  # committed rows the round caught up on
-    decode_tokens: int  # R + Σ ℓ: the pass's tokens that are not a prompt's (prefill)
 
 
 @dataclass(frozen=True)
@@ -90,36 +71,10 @@ def sorted_slots(survivals: np.ndarray, limits: list[int]) -> list[Slot]:
     return [Slot(float(x), int(req), int(pos)) for x, pos, req in zip(a, j, r, strict=True)]
 
 
-def probe_interval(num_reqs: int, idle_probes: int = 0) -> int:
-    """Steps between probes of an idle parallel drafter, after `idle_probes` probes in a row
-    that found speculation not worth it: PROBE_EVERY_ALONE for a lone request, growing with
-    the batch to PROBE_EVERY, and doubled by each such probe up to PROBE_MAX_GAP.
-
-    A lone request idled by a few hard blocks learns within a few steps that the text turned
-    easy again (its probe costs part of one step); in a large batch the probed rows feed the
-    batch-wide history that every request's budget falls back on. A probe is a drafting round
-    plus its catch-up (the drafter takes in the rows it missed, a whole prompt for a request
-    never drafted) with no token in return, often dearer than a whole step without drafting;
-    where speculation keeps not paying, the backoff keeps those rounds to a few per hundred
-    steps instead of one every 4–16 (measured: 7% of a run at 4 in flight, T = 1)."""
-    base = min(PROBE_EVERY, PROBE_EVERY_ALONE * max(num_reqs, 1))
-    return min(PROBE_MAX_GAP, base << min(idle_probes, 8))
-
-
-def survivals_of(confidences: torch.Tensor | np.ndarray) -> np.ndarray:  # [num_reqs, max_draft]
-    """Survivals a_j = c_1···c_j (float64) of conditional confidences [num_reqs, max_draft].
-    numpy, as everything the budget reads: the policy runs every step on a few dozen floats a
-    request, where torch's per-op dispatch (and torch-numpy conversions) cost more than the
-    arithmetic, worse right after a forward pass has flushed the caches."""
-    if isinstance(confidences, torch.Tensor):
-        confidences = confidences.detach().cpu().numpy()
-    # ufuncs, not np.clip / np.cumprod: their Python wrappers cost more than the work here
-    clipped = np.minimum(np.maximum(confidences.astype(np.float64, copy=False), 0.0), 1.0)
-    return np.multiply.accumulate(clipped, axis=1)
-
-
 class BudgetedPolicy(Policy):
-    """Shared machinery: the cost model, confidences, the stale history and the step log."""
+    """Shared machinery of the budgeted policies: each step's plan (K, the round's depth, the
+    allocation) from the step prices (`pricer`), the stale survivals (`history`) and the
+    exploration state (`exploration`), and the step's log (drafted, cold, backlog)."""
 
     def __init__(self, gamma: int, cost: CostModel, tracker: AcceptanceTracker,
                  a_priori: bool, sequential_drafts: bool) -> None:
@@ -130,161 +85,30 @@ class BudgetedPolicy(Policy):
         self.tracker = tracker
         self.a_priori = a_priori  # confidences known before drafting (tracked rates)
         self.sequential_drafts = sequential_drafts  # drafting cost grows with positions
-        self._history: dict[str, StaleRow] = {}
-        self._global_history = StaleRow(long_run=True)
+        self.pricer = StepPricer(cost, gamma)  # step times: profile, fits, price of time
+        self.history = SurvivalHistory(gamma, tracker)  # stale survival rows
+        self.exploration = Exploration()  # probes' backoff, exploration stretches
         self._budget = 0
         self._idle = True  # the last step's budget before drafting was K = 0 (probes included)
         self._planned: list[int] | None = None
-        self._sampled = False  # this step's batch samples: drafting costs the sampled tables
-        # This step's pass carries these tokens beyond one a request (prompts being prefilled):
-        # its base, paid whatever is drafted. Left out, a step that prefills looked as cheap
-        # as a decode step, and speculation as dear beside it as there (measured at 64 in
-        # flight: most steps admit a request, passes of ~650 prompt tokens took 390 ms, the
-        # budget saw 52 ms and verified 15 drafts a step where fixed k = 3 ran at 1.30x).
-        self._prompt_tokens = 0
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
         self._last_drafted: dict[str, int] = {}  # request -> the last step it drafted
         self._last_round = 0  # the last step whose round drafted anything (speculation or a probe)
-        self._idle_probes = 0  # probes since the last step with K > 0 (`probe_interval`)
-        self._explore_left = 0  # further steps of a stretch with K = 0 (`_explores_idle`)
-        self._flip = 0.0  # K = 0's overpricing that would have flipped the last plan (`best_plan`)
-        self._round_flip = 0.0  # the same of the best K > 0, where K = 0 won it
-        self._explore_rounds_left = 0  # further steps of a stretch with K > 0 (`_explores_rounds`)
-        self._exploring_rounds = False  # this step's plan is the best with K > 0 (`best_plan`)
-        self._round_explorations = 0  # stretches since the budget last chose K > 0 itself
-        self._explored_at = -(PROBE_MAX_GAP << 3)  # the step the last such stretch began
         # Tracked rates (a-priori confidences) moved since their rows were last pushed: the
         # previous step verified drafts, or the batch changed (`draft_lengths`)
         self._rates_moved = True
         self._pushed_batch: tuple[str, ...] = ()
-        # Measured against profiled step times (`StepTimeFit`), one fit per kind of batch; see
-        # `time_fit` for the key.
-        self._fits: dict[tuple[bool, int], StepTimeFit] = {}
         # This step's rows to catch up on, per request that did not draft in the previous step,
         # and every request's cap (the tokens it may still generate).
         self._backlog: dict[str, int] = {}
         self._caps: dict[str, int] = {}
         self._cold = True  # this step's round follows a step without one (`Fit.resume_scale`)
-        self._in_flight: RoundInFlight | None = None  # the step planned, not yet timed
-        self._committed: int | None = None  # tokens the step committed (`observe`), not timed yet
         # (batch, step, limits) of a K = 0 plan (`_idle_plan_holds`)
         self._idle_plan: tuple[tuple[str, ...], int, list[int]] | None = None
-        self._last_push = -STALE_STEPS - 1  # the last step that pushed stale rows
         # (confidences, their survivals) of this step's drafts (`live_survivals`)
         self._live: tuple[torch.Tensor | np.ndarray, np.ndarray] | None = None
 
-    # --- cost --------------------------------------------------------------------------------
-    def step_time(self, num_reqs: int, counts: list[int], depth: int | None = None) -> float:
-        """Estimated seconds of a step verifying `counts` drafts per request, drafting `depth`
-        positions (default: as deep as the longest count)."""
-        depth = max(counts, default=0) if depth is None else depth
-        verify, drafting, further = self._profiled_parts(
-            num_reqs + self._prompt_tokens + sum(counts), num_reqs, depth)
-        return self.time_fit(num_reqs).apply(verify, drafting, num_reqs, further=further,
-                                             after_round=depth > 0)
-
-    def _profiled_parts(self, num_tokens: int, num_reqs: int, depth: int
-                        ) -> tuple[float, float, float]:
-        """(verify, drafting, further) seconds the profile gives a step of this batch's kind;
-        `further` is the part of `drafting` for the positions beyond the round's first."""
-        verify = self.cost.verify_time(num_tokens, self._sampled)
-        if depth <= 0:  # no round (most steps where speculation does not pay)
-            return verify, 0.0, 0.0
-        first, each = self.cost.draft_costs(num_reqs, self._sampled)
-        return verify, first + (depth - 1) * each, (depth - 1) * each
-
-    def _fit_of(self, num_reqs: int) -> StepTimeFit | None:
-        """The running fit of this step's kind of batch (`time_fit`'s key); None before a step
-        of that kind was timed."""
-        return self._fits.get((self._sampled, num_reqs.bit_length()))
-
-    def time_fit(self, num_reqs: int, sampled: bool | None = None) -> Fit:
-        """How measured steps relate to the profile (`StepTimeFit`: scales of the verify and the
-        drafting parts, of a cold round, and seconds per request), for batches that sample or
-        not (default: this step's) and batch sizes in powers of two (1, 2–3, 4–7, ...): what is
-        learned at one size is not scaled to another. The identity until steps of that kind
-        were measured."""
-        sampled = self._sampled if sampled is None else sampled
-        size = num_reqs.bit_length()
-        fit = self._fits.get((sampled, size))
-        if fit is not None and fit.knows_drafting:
-            return fit.fit
-        # No steady round measured at this size yet: borrow from the nearest size that has one
-        # (a guess closer than the profile's, which may be off by 2x), until this size
-        # measures its own. What carries over is the seconds a round takes beyond its
-        # profile, not the ratio: on a CPU that excess is a round's fixed cost (cold caches,
-        # the call), ~1.5 ms at 1–7 in flight, so a ratio of 1.3 there priced a round at 16
-        # in flight, profiled 3x longer, 25% too dear and kept that size idle.
-        known = [k[1] for k, f in self._fits.items() if k[0] == sampled and f.knows_drafting]
-        own = fit.fit if fit is not None else Fit()
-        if not known:
-            return own
-        near = min(known, key=lambda k: (abs(k - size), k))
-        scale = self._fits[(sampled, near)].fit.draft_scale
-        depth = (self.gamma + 1) // 2
-        here = self.cost.draft_time(num_reqs, depth, sampled)
-        # A size within the bucket it was measured at: ~1.5 · 2^(k−1) requests (1, 3, 6, 12, ...).
-        there = self.cost.draft_time(max(1, (3 << (near - 1)) // 2), depth, sampled)
-        if here > 0 and there > 0:
-            scale = 1.0 + (scale - 1.0) * there / here
-        return replace(own, draft_scale=scale, first_scale=None, further_scale=None)
-
-    def observe_time(self, seconds: float, num_tokens: int, draft_seconds: float,
-                     verify_seconds: float) -> None:
-        """The step just committed took `seconds` end to end, of them `draft_seconds` in the
-        drafting call and `verify_seconds` in the verify call, and verified `num_tokens` tokens
-        (prompt tokens of new requests included); it joins the fit of its kind of batch
-        (`StepTimeFit`). On a small model the engine's own work per request and step is a large
-        share of a step, and leaving it out makes every step look cheaper than it is, so
-        speculation (fewer, longer steps) looks worth less; a machine running faster than when
-        profiled must not read as negative overhead. One fit serves steps that draft and steps
-        that do not, with their other work learned apart (learning every part apart made
-        whichever was less known look cheaper, and the budget swung); a pass that also took in
-        a prompt stays out of the verify scale."""
-        if self._in_flight is None:
-            return
-        num_reqs, depth, steady, cold, rows, decode_tokens = self._in_flight
-        # The round is priced for the whole batch, as the budget prices it, though fewer may
-        # have drafted (a probe's few, requests whose prompt is in the pass): priced for those
-        # that drafted, a cold round beside prompts at 64 in flight (23 of 64 drafted, with
-        # the others' rows to catch up on) read as 4x its profile, and the budget never
-        # resumed (1.02x `off` where it had run at 1.27x).
-        verify, drafting, further = self._profiled_parts(num_tokens, num_reqs, depth)
-        key = (self._sampled, num_reqs.bit_length())
-        fit = self._fits.get(key)
-        if fit is None:
-            fit = self._fits[key] = StepTimeFit()
-        if self._committed is not None:  # `observe` saw this step's commit
-            # The price of time is the rate of decoding (`StepTimeFit.throughput`): a prompt's
-            # share of the pass, what it took beyond the decode pass the fit predicts, is left out.
-            prompt = 0.0
-            if num_tokens > decode_tokens:
-                alone = self.cost.verify_time(decode_tokens, self._sampled)
-                prompt = max(0.0, verify_seconds - fit.fit.verify_time(alone, num_reqs, depth > 0))
-            fit.add_tokens(self._committed, seconds - prompt)
-            self._committed = None
-        if cold and depth > 0:
-            # The pass's excess over a steady one, read only from a decode pass: the verify fit
-            # knows nothing of prompts (at 64 in flight most cold rounds ran beside one, and
-            # their "excess" set the premium to its cap and the budget idled for good).
-            steady_pass = fit.fit.verify_time(verify, num_reqs, True)
-            excess = 0.0 if num_tokens > decode_tokens else max(0.0, verify_seconds - steady_pass)
-            fit.add_resume(drafting, draft_seconds - self.cost.catch_up_time(rows) + excess)
-        # Single-request passes tell the machine's speed apart from the cost per sequence
-        # (`StepTimeFit`): their scale and fixed cost are the priors of larger batches'.
-        alone = self._fits.get((self._sampled, 1))
-        prior = alone.fit if alone is not None and alone.knows_verify and num_reqs > 1 else Fit()
-        # The first pass after the drafter stopped runs as the one after a round (the target's
-        # weights evicted: 7.5 ms against 6.6 three steps on, 4 in flight): not what a step
-        # without drafts costs while not speculating, the K = 0 the budget prices.
-        stopped = depth == 0 and not cold
-        fit.add(
-            verify, drafting, num_reqs, seconds, verify_seconds, draft_seconds,
-            steady and not stopped,
-            prefill=num_tokens > decode_tokens, prior_scale=prior.verify_scale, further=further,
-            prior_fixed=prior.verify_fixed, after_round=depth > 0)
-        self._in_flight = None
-
+    # --- the budget ------------------------------------------------------------------------
     def best_budget(self, survivals: np.ndarray, limits: list[int],
                     catch_up: float = 0.0, margin: float = 0.0) -> int:
         """K maximising (R + Σ top-K a) / step_time, or (R + Σ top-K a) − Θ* · step_time once
@@ -311,7 +135,7 @@ class BudgetedPolicy(Policy):
         K is (a probe's) has that round and `catch_up` in every K's time, K = 0's too."""
         num_reqs = len(limits)
         cold = float(self._cold) if cold is None else cold
-        prompt_tokens = self._prompt_tokens if prompt_tokens is None else prompt_tokens
+        prompt_tokens = self.pricer.prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
         # Candidates [n]: K slots, their tokens and the round's depth; K = 0 first. A probe's
         # round is paid whatever its depth: its candidates are the prefixes of the whole order,
@@ -320,7 +144,8 @@ class BudgetedPolicy(Policy):
             counts = np.arange(a.size + 1)
             tokens = num_reqs + np.concatenate(([0.0], a.cumsum()))
             depths = counts if drafted is None else np.full(counts.size, drafted)
-            verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1, self._sampled)
+            verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
+                                            self.pricer.sampled)
         else:
             caps = np.arange(1, int(pos.max()) + 1) if pos.size else pos
             keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
@@ -329,12 +154,12 @@ class BudgetedPolicy(Policy):
             depths = np.concatenate(([0], np.maximum.accumulate(np.where(keep, pos, 0),
                                                                 axis=1)[keep]))
             verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
-                                            self._sampled)[counts]
-        first, each = self.cost.draft_costs(num_reqs, self._sampled)
-        times = self.time_fit(num_reqs).candidate_times(verify, depths, first, each, num_reqs,
-                                                        cold)
+                                            self.pricer.sampled)[counts]
+        first, each = self.cost.draft_costs(num_reqs, self.pricer.sampled)
+        times = self.pricer.time_fit(num_reqs).candidate_times(verify, depths, first, each,
+                                                               num_reqs, cold)
         times[0 if drafted else 1:] += catch_up
-        price = self.price_of_time(num_reqs)
+        price = self.pricer.price_of_time(num_reqs)
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach; with the work
         # fixed, prompts' passes are paid whatever is chosen, so Θ* is the rate of decoding),
@@ -353,8 +178,8 @@ class BudgetedPolicy(Policy):
             gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
         best = int(value.argmax())  # the first maximum: the shallowest, smallest K on ties
         if drafted is None:
-            # How close K = 0 came to winning, read by `_explores_idle` in the next decode
-            # steps: from decode steps' plans only. Beside a prompt the pass's time dominates
+            # How close K = 0 came to winning, read by `Exploration.explores_idle` in the next
+            # decode steps: from decode steps' plans only. Beside a prompt the pass's time dominates
             # both sides and the margin shrinks: at 16 in flight on a simulated H200, plans
             # beside 141–196 prompt tokens had K = 0 win if priced 16–20% too dear, where decode
             # steps' plans put that at 78–99%, and each time the next decode steps idled three
@@ -362,75 +187,25 @@ class BudgetedPolicy(Policy):
             # rounds' exploration keeps reading every plan: on the CPU, with the draft model at
             # 4 in flight, T = 1, reading decode steps only cut the drafts it verified 4x.)
             if not prompt_tokens:
-                self._flip = self._flip_error(float(times[0]), float(tokens[best] / times[best]),
-                                              float(value[best]), num_reqs, price)
+                self.exploration.flip = flip_error(
+                    float(times[0]), float(tokens[best] / times[best]), float(value[best]),
+                    num_reqs, price)
             if value.size > 1:
                 rival = 1 + int(value[1:].argmax())  # the best plan that drafts
-                self._round_flip = 0.0 if best else self._round_flip_error(
+                self.exploration.round_flip = 0.0 if best else round_flip_error(
                     float(tokens[0] / times[0]), float(value[0]), float(tokens[rival]),
                     float(times[rival]), price)
-                if self._exploring_rounds:
+                if self.exploration.exploring_rounds:
                     return int(counts[rival]), int(depths[rival])
             else:  # no plan drafts (no request may draft): none to explore
-                self._round_flip = float("inf")
+                self.exploration.round_flip = float("inf")
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
 
-    @staticmethod
-    def _flip_error(idle_time: float, best_rate: float, best_value: float, num_reqs: int,
-                    price: float | None) -> float:
-        """By how much (a fraction) K = 0's `idle_time` must overstate its cost for K = 0 to
-        beat the best plan (its `best_rate` tokens a second, its `best_value` at `price`); 0
-        where K = 0 is the best plan, inf where it cannot win at any cost."""
-        if price is None:  # ratios: K = 0 wins once R / t0 reaches the best rate
-            return max(0.0, idle_time * best_rate / num_reqs - 1.0)
-        room = num_reqs - best_value  # K = 0 wins once R − price · t0 reaches the best value
-        return max(0.0, price * idle_time / room - 1.0) if room > 0 else float("inf")
-
-    @staticmethod
-    def _round_flip_error(idle_rate: float, idle_value: float, tokens: float, seconds: float,
-                          price: float | None) -> float:
-        """By how much (a fraction of its time) a plan that drafts (its `tokens` in `seconds`)
-        must be priced too dear for K = 0 (its `idle_rate` tokens a second, its `idle_value` at
-        `price`) to have beaten it: 0 where it would win as priced."""
-        if price is None:
-            return max(0.0, 1.0 - tokens / seconds / idle_rate)
-        return max(0.0, (idle_value - (tokens - price * seconds)) / (price * seconds))
-
-    def price_of_time(self, num_reqs: int) -> float | None:
-        """Θ*, tokens per second that steps of this kind of batch (`time_fit`'s key) decoded
-        lately (`StepTimeFit.throughput`): the budget's price of a step's time; None before one
-        was timed (then each step maximises its own ratio)."""
-        fit = self._fit_of(num_reqs)
-        return None if fit is None else fit.throughput
-
     def stale_survivals(self, req_ids: tuple[str, ...]) -> np.ndarray:  # [num_reqs, γ]
-        """Survivals from two steps back and before (`StaleRow`): the request's own, else the
-        batch means' long-run average, else the tracker's global rates (`_fallback_row`). None
-        of these can depend on the current step's drafts."""
-        fallback = self._fallback_row()
-        rows = []
-        for r in req_ids:
-            own = self._history[r].value_at(self._steps) if r in self._history else None
-            rows.append(own if own is not None else fallback)
-        if not rows:
-            return np.zeros((0, self.gamma))
-        return np.array(rows)
-
-    def _fallback_row(self) -> np.ndarray:  # [γ]
-        """The row of a request without rows of its own: the batch means' long-run average,
-        else the tracker's global rates (its documented prior for a new deployment).
-
-        Not the batch means' recent average: with one request in flight that is the last
-        request's last few blocks, and where they were hard the next request started idle,
-        and with the probes' backoff inherited from the last one it stayed idle for its whole
-        life (measured at 1 in flight, T = 0: 2 requests of 8 per round)."""
-        self._global_history.value_at(self._steps)  # takes in the rows two steps old
-        row = self._global_history.long_run
-        if row is None:
-            row = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
-        return row
+        """This step's stale survivals (`SurvivalHistory.stale`): what the budget reads."""
+        return self.history.stale(req_ids, self._steps)
 
     def live_survivals(self, confidences: torch.Tensor | np.ndarray) -> np.ndarray:
         """`survivals_of` this step's live confidences, computed once a step: the allocation
@@ -441,36 +216,6 @@ class BudgetedPolicy(Policy):
             cached = self._live = (confidences, survivals_of(confidences))
         return cached[1]
 
-    def _remember(self, req_ids: tuple[str, ...], survivals: np.ndarray,
-                  counts: list[int] | None = None) -> None:
-        """Push each request's survival row (`counts[i]` drafted positions; None: all γ) into
-        its history (and the batch mean into the global one). A row drafted to depth d < γ is
-        continued past d with the tracker's realised conditional rates, so a shallow step does
-        not read as "never accepted deeper" (the depth would then only ever shrink). Rows with
-        nothing drafted leave their history as it is: a missing draft is no evidence at all."""
-        width = min(self.gamma, survivals.shape[1])
-        counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
-        if not any(counts):  # an idle step (most steps where speculation does not pay)
-            return
-        padded = np.zeros((len(req_ids), self.gamma))
-        rates = None  # [γ] the tracker's conditional rates, read only for a shallow row
-        for i, c in enumerate(counts):
-            if c > 0:
-                padded[i, :c] = survivals[i, :c]
-            if 0 < c < self.gamma:
-                if rates is None:
-                    rates = self.tracker.global_rates()[: self.gamma]
-                padded[i, c:] = survivals[i, c - 1] * np.cumprod(rates[c:])
-        fresh = [c > 0 for c in counts]
-        self._last_push = self._steps
-        for r, row, ok in zip(req_ids, padded, fresh):
-            if ok:
-                history = self._history.get(r)
-                if history is None:
-                    history = self._history[r] = StaleRow()
-                history.push(self._steps, row)
-        self._global_history.push(self._steps, padded[fresh].sum(axis=0) / sum(fresh))
-
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
@@ -479,7 +224,7 @@ class BudgetedPolicy(Policy):
         limits = [min(self.gamma, c) for c in caps]
         self._planned = None
         self._live = None
-        self._sampled = sampled
+        self.pricer.sampled = sampled
         self._steps += 1
         # A request that drafted in the previous step has a steady round's backlog (the
         # profile's); any other first takes in all it missed.
@@ -487,20 +232,22 @@ class BudgetedPolicy(Policy):
                          if self._last_drafted.get(r) != self._steps - 1}
         self._caps = dict(zip(req_ids, caps))
         self._cold = self._last_round != self._steps - 1
-        self._prompt_tokens = prompt_tokens
-        explore = self._explores_idle(len(req_ids))
+        self.pricer.prompt_tokens = prompt_tokens
+        fit, prefills = self.pricer.fit_of(len(req_ids)), prompt_tokens > 0
+        explore = self.exploration.explores_idle(self._idle, fit, prefills)
         # Read by every plan this step makes before drafting (`best_plan`), and by no other
-        self._exploring_rounds = not explore and self._explores_rounds(len(req_ids))
+        self.exploration.exploring_rounds = not explore and self.exploration.explores_rounds(
+            self._idle, fit, self._steps, prefills)
         try:
             if self.a_priori:
                 lengths = self._plan_a_priori(req_ids, limits, explore)
             else:
                 lengths = self._plan_before_drafting(req_ids, limits, explore)
-            if not self._idle and not self._exploring_rounds:
-                self._round_explorations = 0
+            if not self._idle and not self.exploration.exploring_rounds:
+                self.exploration.round_explorations = 0
             return lengths
         finally:
-            self._exploring_rounds = False
+            self.exploration.exploring_rounds = False
 
     def _plan_before_drafting(self, req_ids: tuple[str, ...], limits: list[int], explore: bool
                               ) -> list[int]:
@@ -509,7 +256,7 @@ class BudgetedPolicy(Policy):
         if explore:
             self._budget, depth = 0, 0
             self._idle_plan = None
-        elif not self._exploring_rounds and self._idle_plan_holds(req_ids, limits):
+        elif not self.exploration.exploring_rounds and self._idle_plan_holds(req_ids, limits):
             self._budget, depth = 0, 0
         else:
             self._budget, depth = self.budget_before_drafting(req_ids, limits)
@@ -518,16 +265,17 @@ class BudgetedPolicy(Policy):
             self._idle_plan = (req_ids, self._steps, limits) if idle else None
         self._idle = self._budget == 0
         if not self._idle or self.sequential_drafts:
-            self._idle_probes = 0
+            self.exploration.idle_probes = 0
             # Draft no deeper than the budget's slots reach: a deeper position costs its share of
             # the round and would not be admitted.
             return [min(n, depth) for n in limits]
         # A parallel drafter (DSpark) with nothing to verify skips its round, except after
         # `probe_interval` steps for PROBE_REQUESTS requests (whole blocks), which keeps the
         # history (and so the budget) following the drafter.
-        if self._steps - self._last_round < probe_interval(len(limits), self._idle_probes):
+        gap = probe_interval(len(limits), self.exploration.idle_probes)
+        if self._steps - self._last_round < gap:
             return [0] * len(limits)
-        self._idle_probes += 1
+        self.exploration.idle_probes += 1
         probed = self._probed(req_ids)
         drafts = [n if i in probed else 0 for i, n in enumerate(limits)]
         self._budget = self.probe_budget(req_ids, drafts)
@@ -539,7 +287,7 @@ class BudgetedPolicy(Policy):
         only with verified drafts, so an idle batch's plan holds as a parallel drafter's does
         (`_idle_plan_holds`), and its rows are pushed again only once they moved: planning
         every idle step cost ~0.4 ms, 7% of a step at 4 in flight (draft model, T = 1)."""
-        if (not explore and not self._exploring_rounds and not self._rates_moved
+        if (not explore and not self.exploration.exploring_rounds and not self._rates_moved
                 and self._idle_plan_holds(req_ids, limits)):
             self._budget, self._planned = 0, [0] * len(limits)
             return list(self._planned)
@@ -554,73 +302,9 @@ class BudgetedPolicy(Policy):
             # must not leave zero survivals behind (K = 0 would then be absorbing). Rows that
             # did not move are not pushed again: a row pushed g steps after the last weighs
             # as g pushes of it (`StaleRow`).
-            self._remember(req_ids, survivals_of(conf))
+            self.history.remember(req_ids, survivals_of(conf), self._steps)
             self._rates_moved, self._pushed_batch = False, req_ids
         return list(self._planned)
-
-    def _explores_idle(self, num_reqs: int) -> bool:
-        """Whether this step verifies nothing (and drafts nothing but a probe) to learn what
-        such a step costs: EXPLORE_STEPS steps in a row, once the fit of this kind of batch
-        holds less than IDLE_EVIDENCE of passes without drafts, outside steps that prefill.
-
-        The price of K = 0 comes from the verify fit, whose fixed cost, cost per sequence and
-        scale a budget that keeps speculating learns from passes with drafts only: K = 0 is
-        then an extrapolation, and it errs high (the pass after a drafting round runs with the
-        target's weights evicted, and the profile's slope carries sequences a live batch does
-        not add). Measured at 4 in flight, T = 1, where speculation did not pay: K = 0 priced
-        at 7.9 ms a step, steps without drafts taking 6.4–6.7 ms, so `confidence` speculated
-        in every full step at 0.53 tokens a ms where not speculating made 0.62 (0.87x `off`).
-        The error keeps itself: a budget that never chooses K = 0 never measures it. So a few
-        steps every ~100 measure it (3 idle steps and a cold round: ~0.4% of the time where
-        speculation pays 30%), unless K = 0 would have lost the last plan even priced
-        EXPLORE_ERROR too dear, far beyond any such error."""
-        if self._prompt_tokens:
-            return False
-        if self._explore_left > 0:
-            self._explore_left -= 1
-            return True
-        fit = self._fit_of(num_reqs)
-        if (self._idle or self._flip >= EXPLORE_ERROR or fit is None or not fit.knows_verify
-                or fit.idle_weight >= IDLE_EVIDENCE):
-            return False
-        self._explore_left = EXPLORE_STEPS - 1
-        return True
-
-    def _explores_rounds(self, num_reqs: int) -> bool:
-        """Whether this step verifies the best plan that drafts, K = 0 aside, to learn what such
-        a step costs now: EXPLORE_STEPS steps in a row, after a step with K = 0, once the fit of
-        this kind of batch holds less than ROUND_EVIDENCE of steady drafting rounds
-        (`StepTimeFit.round_weight`), where that plan came within EXPLORE_ROUND_ERROR of
-        winning, outside steps that prefill.
-
-        `_explores_idle` the other way. What a step with a round costs beyond one without (the
-        drafting scales, the pass after a round, the work of a step with drafts) is learned
-        from steady rounds only, and a budget that stopped speculating runs none: whatever
-        those parts read when it stopped, it keeps. A load spike while speculating (1 in
-        flight, T = 1: six slow steps took the further positions' scale from 0.20 to 1.43 and
-        the pass after a round from 0.24 to 1.85 ms) priced a round ~3 ms dearer than it
-        runs, and the budget idled for the next ~1,000 steps at 0.23 tokens a ms where fixed
-        k = 3 made 0.27: its probes' rounds, cold and catching up, teach none of those parts.
-        Where speculation is far from paying (a plan that drafts would have to cost a quarter
-        less) nothing is explored; where it is close but does not pay, stretches that find so
-        come ever rarer (EXPLORE_ROUND_GAP, doubled by each): at 16 in flight, T = 1, where no
-        fixed k beat `off`, exploring whenever the evidence had faded (a stretch every ~40
-        steps, each a cold round catching up on 16 requests' rows) ran at 0.965x the budget
-        without it, paired."""
-        if self._prompt_tokens:
-            return False
-        if self._explore_rounds_left > 0:
-            self._explore_rounds_left -= 1
-            return True
-        fit = self._fit_of(num_reqs)
-        gap = min(EXPLORE_ROUND_GAP << self._round_explorations, PROBE_MAX_GAP << 3)
-        if (not self._idle or self._round_flip >= EXPLORE_ROUND_ERROR or fit is None
-                or fit.round_weight >= ROUND_EVIDENCE or self._steps - self._explored_at < gap):
-            return False
-        self._explore_rounds_left = EXPLORE_STEPS - 1
-        self._explored_at = self._steps
-        self._round_explorations = min(self._round_explorations + 1, 8)
-        return True
 
     def probe_budget(self, req_ids: tuple[str, ...], drafts: list[int]) -> int:
         """K for a probe's round (`drafts` positions per request, 0 for those not probed). Its
@@ -631,7 +315,7 @@ class BudgetedPolicy(Policy):
         an idle step makes in 5. The step still counts as idle (`_idle`): verifying a probe's
         drafts is not a decision to speculate."""
         rows = sum(self._backlog.get(r, 0) for r, n in zip(req_ids, drafts, strict=True) if n)
-        catch_up = self.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
+        catch_up = self.pricer.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
         return self.best_plan(self.stale_survivals(req_ids), drafts, catch_up,
                               drafted=max(drafts, default=0))[0]
 
@@ -651,7 +335,7 @@ class BudgetedPolicy(Policy):
         if self._idle_plan is None or not self._idle:
             return False
         batch, planned_at, planned_limits = self._idle_plan
-        return (batch == req_ids and self._last_push <= planned_at - STALE_STEPS
+        return (batch == req_ids and self.history.last_push <= planned_at - STALE_STEPS
                 and self._steps - planned_at < PROBE_EVERY
                 and all(n <= p for n, p in zip(limits, planned_limits, strict=True)))
 
@@ -686,9 +370,9 @@ class BudgetedPolicy(Policy):
         # when it beat its profile (`StepTimeFit.add`); a cold one teaches the resume scale.
         # `_backlog` holds exactly the requests that did not draft in the previous step.
         caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
-        self._in_flight = RoundInFlight(len(planned), max(drafted, default=0), not caught_up,
-                                        self._cold, sum(self._backlog[r] for r in caught_up),
-                                        len(planned) + sum(planned))
+        self.pricer.in_flight = RoundInFlight(
+            len(planned), max(drafted, default=0), not caught_up, self._cold,
+            sum(self._backlog[r] for r in caught_up), len(planned) + sum(planned))
         for r, n in zip(drafts.req_ids, drafted):
             if n:
                 self._last_drafted[r] = self._steps
@@ -697,16 +381,21 @@ class BudgetedPolicy(Policy):
         if any(drafted):
             self._last_round = self._steps
         if not self.a_priori and drafts.confidences is not None and any(drafted):
-            self._remember(drafts.req_ids, self.live_survivals(drafts.confidences), drafted)
+            self.history.remember(drafts.req_ids, self.live_survivals(drafts.confidences),
+                                  self._steps, drafted)
         return planned
 
+    def observe_time(self, seconds: float, num_tokens: int, draft_seconds: float,
+                     verify_seconds: float) -> None:
+        self.pricer.observe_time(seconds, num_tokens, draft_seconds, verify_seconds)
+
     def observe(self, step: StepState) -> None:
-        self._committed = sum(len(s.committed) for s in step.requests)
+        self.pricer.committed = sum(len(s.committed) for s in step.requests)
         if any(s.num_planned for s in step.requests):
             self._rates_moved = True  # the tracker learned from verified drafts
         for s in step.requests:
             if s.finish_reason is not None:
-                self._history.pop(s.req_id, None)
+                self.history.forget(s.req_id)
                 self._last_drafted.pop(s.req_id, None)
 
     # --- what differs between policies -----------------------------------------------------------
@@ -738,7 +427,7 @@ class BudgetedPolicy(Policy):
         cold = 1.0 / max(1.0, sum(steps) / len(steps)) if steps else 0.0
         plan = self.best_plan(stale, limits, self._catch_up_seconds(req_ids, steps), margin, cold,
                               prompt_tokens=0)
-        if plan[0] or not self._prompt_tokens:
+        if plan[0] or not self.pricer.prompt_tokens:
             return plan
         alone = [float(left > 0) for left in steps]
         return self.best_plan(stale, limits, self._catch_up_seconds(req_ids, alone), margin, 1.0)
@@ -761,7 +450,7 @@ class BudgetedPolicy(Policy):
             backlog = self._backlog.get(r, 0)
             if backlog and left > 0:
                 rows += backlog / max(1.0, left)
-        return self.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
+        return self.pricer.time_fit(len(req_ids)).draft_scale * self.cost.catch_up_time(rows)
 
     def plan_from(self, req_ids: tuple[str, ...], confidences: torch.Tensor, limits: list[int],
                   budget: int | None = None) -> tuple[int, list[int]]:
@@ -808,10 +497,10 @@ class ConfidenceSyncPolicy(BudgetedPolicy):
         # a-priori (tracked) confidences the plan comes first and drafting stops at its depth.
         depth = None if self.a_priori else max(limits, default=0)
         tokens = float(num_reqs)
-        theta = tokens / self.step_time(num_reqs, counts, depth)
+        theta = tokens / self.pricer.step_time(num_reqs, counts, depth)
         for slot in sorted_slots(survivals, limits):
             counts[slot.req] += 1
-            new_theta = (tokens + slot.survival) / self.step_time(num_reqs, counts, depth)
+            new_theta = (tokens + slot.survival) / self.pricer.step_time(num_reqs, counts, depth)
             if new_theta <= theta:
                 counts[slot.req] -= 1
                 break

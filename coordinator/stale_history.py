@@ -1,7 +1,9 @@
 """Stale survival history: what the production budget reads (DESIGN.md §3).
 
 The `confidence` policy chooses K from survivals two steps back and earlier, never from the
-current step's drafts, so the budget cannot leak the tokens it decides about.
+current step's drafts, so the budget cannot leak the tokens it decides about. `StaleRow` is one
+request's (or the batch means') running average; `SurvivalHistory` keeps a batch's rows and
+answers the budget's question: each request's stale row.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
+
+from dspark.coordinator.confidence import AcceptanceTracker
 
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of a stale row one step newer than the rest of its running average
@@ -51,3 +56,89 @@ class StaleRow:
                                  else LONG_RUN * old + (1 - LONG_RUN) * self.long_run)
             self._step = pushed
         return self.value
+
+
+def survivals_of(confidences: torch.Tensor | np.ndarray) -> np.ndarray:  # [num_reqs, max_draft]
+    """Survivals a_j = c_1···c_j (float64) of conditional confidences [num_reqs, max_draft].
+    numpy, as everything the budget reads: the policy runs every step on a few dozen floats a
+    request, where torch's per-op dispatch (and torch-numpy conversions) cost more than the
+    arithmetic, worse right after a forward pass has flushed the caches."""
+    if isinstance(confidences, torch.Tensor):
+        confidences = confidences.detach().cpu().numpy()
+    # ufuncs, not np.clip / np.cumprod: their Python wrappers cost more than the work here
+    clipped = np.minimum(np.maximum(confidences.astype(np.float64, copy=False), 0.0), 1.0)
+    return np.multiply.accumulate(clipped, axis=1)
+
+
+class SurvivalHistory:
+    """Every request's `StaleRow` and the batch means' (with its long-run average), pushed by
+    the steps that drafted, read by the budget at the current step."""
+
+    def __init__(self, gamma: int, tracker: AcceptanceTracker) -> None:
+        self.gamma = gamma
+        self.tracker = tracker  # its global rates: the prior of a new deployment
+        self.rows: dict[str, StaleRow] = {}
+        self.batch = StaleRow(long_run=True)  # the batch means' rows
+        self.last_push = -STALE_STEPS - 1  # the last step that pushed rows
+
+    def stale(self, req_ids: tuple[str, ...], step: int) -> np.ndarray:  # [num_reqs, γ]
+        """Survivals from two steps back and before: the request's own, else the batch means'
+        long-run average, else the tracker's global rates (`fallback_row`). None of these can
+        depend on the current step's drafts."""
+        fallback = self.fallback_row(step)
+        rows = []
+        for r in req_ids:
+            own = self.rows[r].value_at(step) if r in self.rows else None
+            rows.append(own if own is not None else fallback)
+        if not rows:
+            return np.zeros((0, self.gamma))
+        return np.array(rows)
+
+    def fallback_row(self, step: int) -> np.ndarray:  # [γ]
+        """The row of a request without rows of its own: the batch means' long-run average,
+        else the tracker's global rates (its documented prior for a new deployment).
+
+        Not the batch means' recent average: with one request in flight that is the last
+        request's last few blocks, and where they were hard the next request started idle,
+        and with the probes' backoff inherited from the last one it stayed idle for its whole
+        life (measured at 1 in flight, T = 0: 2 requests of 8 per round)."""
+        self.batch.value_at(step)  # takes in the rows two steps old
+        row = self.batch.long_run
+        if row is None:
+            row = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+        return row
+
+    def remember(self, req_ids: tuple[str, ...], survivals: np.ndarray, step: int,
+                 counts: list[int] | None = None) -> None:
+        """Push each request's survival row (`counts[i]` drafted positions; None: all γ) into
+        its history (and the batch mean into the batch's) at `step`. A row drafted to depth
+        d < γ is continued past d with the tracker's realised conditional rates, so a shallow
+        step does not read as "never accepted deeper" (the depth would then only ever shrink).
+        Rows with nothing drafted leave their history as it is: a missing draft is no evidence
+        at all."""
+        width = min(self.gamma, survivals.shape[1])
+        counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
+        if not any(counts):  # an idle step (most steps where speculation does not pay)
+            return
+        padded = np.zeros((len(req_ids), self.gamma))
+        rates = None  # [γ] the tracker's conditional rates, read only for a shallow row
+        for i, c in enumerate(counts):
+            if c > 0:
+                padded[i, :c] = survivals[i, :c]
+            if 0 < c < self.gamma:
+                if rates is None:
+                    rates = self.tracker.global_rates()[: self.gamma]
+                padded[i, c:] = survivals[i, c - 1] * np.cumprod(rates[c:])
+        fresh = [c > 0 for c in counts]
+        self.last_push = step
+        for r, row, ok in zip(req_ids, padded, fresh):
+            if ok:
+                history = self.rows.get(r)
+                if history is None:
+                    history = self.rows[r] = StaleRow()
+                history.push(step, row)
+        self.batch.push(step, padded[fresh].sum(axis=0) / sum(fresh))
+
+    def forget(self, req_id: str) -> None:
+        """Drop a finished request's rows."""
+        self.rows.pop(req_id, None)

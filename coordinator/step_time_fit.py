@@ -309,7 +309,7 @@ class StepTimeFit:
 
     def add_tokens(self, tokens: int, decode_seconds: float) -> None:
         """A step of this kind committed `tokens` and spent `decode_seconds` decoding: its time
-        less what a prompt in its pass added (`BudgetedPolicy.observe_time`)."""
+        less what a prompt in its pass added (`StepPricer.observe_time`)."""
         self._throughput = [FORGET * old + x for old, x in
                             zip(self._throughput, (tokens, decode_seconds))]
 

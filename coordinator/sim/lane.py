@@ -22,9 +22,10 @@ import torch
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import Policy
-from dspark.coordinator.scheduler import ConfidencePolicy, make_policy, survivals_of
+from dspark.coordinator.scheduler import ConfidencePolicy, make_policy
 from dspark.coordinator.sim.acceptance import Block
 from dspark.coordinator.sim.workload import SimRequest
+from dspark.coordinator.stale_history import survivals_of
 from dspark.kernels.budget import allocate
 from dspark.messages import Drafts, RequestStep, StepState
 

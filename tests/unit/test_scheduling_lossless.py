@@ -20,7 +20,8 @@ from scipy.stats import binomtest
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.policy import Policy
-from dspark.coordinator.scheduler import make_policy, survivals_of
+from dspark.coordinator.scheduler import make_policy
+from dspark.coordinator.stale_history import survivals_of
 from dspark.kernels.acceptance import accept
 from dspark.messages import Drafts, RequestStep, StepState
 

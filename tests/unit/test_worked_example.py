@@ -11,7 +11,8 @@ from dspark.coordinator.commit import commit
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.request import Request
-from dspark.coordinator.scheduler import EqualPolicy, make_policy, survivals_of
+from dspark.coordinator.scheduler import EqualPolicy, make_policy
+from dspark.coordinator.stale_history import survivals_of
 from dspark.draft_worker.draft_model import DraftModelProposer
 from dspark.kernels.budget import allocate
 from dspark.messages import DraftQuery, Drafts, NewRequest, VerifyPlan, VerifyResult
