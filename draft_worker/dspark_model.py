@@ -43,6 +43,13 @@ STS_FIELD = "confidence_sts_temperatures"
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per draft layer: k, v [..., n, kv_heads, hd]
 
 
+def with_block_room(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Context keys or values [B, C, kv_heads, hd] -> [B, kv_heads, C + width, hd]: the layout
+    `DSparkDrafter.run_blocks` reads, the last `width` rows left for the block's own."""
+    room = t.new_zeros(t.shape[0], width, *t.shape[2:])
+    return torch.cat([t, room], dim=1).transpose(1, 2).contiguous()
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """A DSpark drafter's config.json: the target's config plus DeepSpec's drafter fields."""
@@ -248,25 +255,33 @@ class DSparkDrafter(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, Q] block inputs (one or more blocks per row)
         positions: torch.Tensor,  # [B, Q]
-        ctx_kv: ContextKV,  # per layer k, v [B, C, kv_heads, hd]
+        ctx_kv: ContextKV,  # per layer keys, values [B, kv_heads, C + Q, hd] (`with_block_room`)
         mask: torch.Tensor,  # [B, 1 or heads, Q, C + Q] bool, True where attention is allowed
     ) -> torch.Tensor:  # [B, Q, d] final-normed hidden h
-        """One non-causal pass of the draft layers; context keys come before the block's own."""
+        """One non-causal pass of the draft layers; context keys come before the block's own.
+
+        Each layer's buffers hold the context in their first C rows and leave the last Q free:
+        the block's own keys and values are written there, and attention reads the buffers as
+        they are. Joining context and block per layer (a cat of the whole context, then a
+        strided view) took as long as gathering the context itself (64 requests, 300 context
+        rows: 1.0–9.4 ms a layer for the cat, 3.8 against 4.7 ms for attention over the
+        contiguous buffer, on a shared CPU)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         lc = self.config.layers
         scale, gqa = lc.head_dim**-0.5, lc.num_key_value_heads != lc.num_attention_heads
-        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv, strict=True):
+        width = input_ids.shape[1]
+        for layer, (keys, values) in zip(self.layers, ctx_kv, strict=True):
 
             def attend(
                 q: torch.Tensor,
                 k: torch.Tensor,
                 v: torch.Tensor,
-                k_ctx: torch.Tensor = k_ctx,
-                v_ctx: torch.Tensor = v_ctx,
+                keys: torch.Tensor = keys,
+                values: torch.Tensor = values,
             ) -> torch.Tensor:
-                keys = torch.cat([k_ctx, k], dim=1).transpose(1, 2)
-                values = torch.cat([v_ctx, v], dim=1).transpose(1, 2)
+                keys[:, :, -width:] = k.transpose(1, 2)
+                values[:, :, -width:] = v.transpose(1, 2)
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
                 )

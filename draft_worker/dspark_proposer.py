@@ -141,19 +141,27 @@ class DSparkProposer:
             kv_write(k, v, self.cache.k[i], self.cache.v[i], slot_mapping)
 
     def _gather_context(
-        self, req_ids: list[str]
+        self, req_ids: list[str], width: int
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Per layer k, v [R, C, kv_heads, hd] of each request's context, and lengths [R]."""
+        """Per layer keys, values [R, kv_heads, C + width, hd]: each request's context in the
+        first C rows (padded to the longest), the last `width` left for the block
+        (`DSparkDrafter.run_blocks`); and the context lengths [R]. One `index_select` a tensor
+        straight into that layout: half the time of gathering [R, C, kv_heads, hd] rows by
+        indexing, and no copy to join the block after."""
         lens = torch.tensor([self.cache.length(r) for r in req_ids])
-        bs = self.cache.block_size
+        bs, heads, hd = self.cache.block_size, self.cache.k.shape[3], self.cache.k.shape[4]
         pos = torch.arange(int(lens.max()))
         table = self.cache.block_table(req_ids).cpu()
-        slots = (table[:, pos // bs].clamp(min=0) * bs + pos % bs).to(self.device)  # [R, C]
+        slots = table[:, pos // bs].clamp(min=0) * bs + pos % bs  # [R, C]
+        # The block's rows read slot 0 until run_blocks writes them.
+        slots = torch.cat([slots, slots.new_zeros(len(req_ids), width)], dim=1)  # [R, C + width]
+        index = (slots[:, None, :] * heads + torch.arange(heads)[None, :, None]).flatten()
+        index = index.to(self.device)  # rows of hd values, in [R, kv_heads, C + width] order
         kv = []
         for i in range(self.cache.k.shape[0]):
-            k = self.cache.k[i].view(-1, *self.cache.k.shape[3:])
-            v = self.cache.v[i].view(-1, *self.cache.v.shape[3:])
-            kv.append((k[slots], v[slots]))
+            k = self.cache.k[i].view(-1, hd).index_select(0, index)
+            v = self.cache.v[i].view(-1, hd).index_select(0, index)
+            kv.append((k.view(len(req_ids), heads, -1, hd), v.view(len(req_ids), heads, -1, hd)))
         return kv, lens
 
     def _draft(
@@ -169,8 +177,9 @@ class DSparkProposer:
         measurable at depth 3, and saves the backbone's unused slots (a depth-1 round at 16
         in flight took 13.7 ms against 18.9, fixed k = 1, T = 1).
         """
-        ctx_kv, lens = self._gather_context(req_ids)
-        num, width, ctx = len(req_ids), max(counts), int(lens.max())
+        num, width = len(req_ids), max(counts)
+        ctx_kv, lens = self._gather_context(req_ids, width)
+        ctx = int(lens.max())
         ctx_ok = torch.arange(ctx)[None, :] < lens[:, None]  # [R, C]
         # Each request's block is its own depth: slots past its count are keys to none, so its
         # drafts do not depend on what the rest of the batch drafts (seeded runs repeat).

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.draft_worker.dspark_model import DSparkDrafter
+from dspark.draft_worker.dspark_model import DSparkDrafter, with_block_room
 from dspark.kernels.sampling import sample_from_probs, warp_probs
 from dspark.models.decoder import DecoderLM
 
@@ -75,7 +75,8 @@ def block_hidden(
     ctx_pos = torch.arange(seq, device=window.device).expand(bsz, seq)
     ctx_kv = [
         tuple(
-            t[:, None].expand(bsz, num, *t.shape[1:]).reshape(bsz * num, *t.shape[1:]) for t in kv
+            with_block_room(t[:, None].expand(bsz, num, *t.shape[1:]).flatten(0, 1), gamma)
+            for t in kv
         )
         for kv in drafter.context_kv(rows, ctx_pos)
     ]

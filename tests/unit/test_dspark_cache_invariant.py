@@ -236,3 +236,39 @@ def test_a_request_whose_prompt_is_in_the_pass_is_planned_no_drafts(tiny_dspark)
     assert seen[0] == [0] and seen[1][0] > 0
     assert seen[2][0] > 0 and seen[2][1] == 0 and min(seen[3]) > 0
     assert last is not None and [s.num_drafted for s in last.requests] == [3, 3]
+
+
+def test_a_requests_drafts_do_not_depend_on_the_batch_it_drafts_in(tiny_dspark) -> None:
+    # Regression guard for the round's context gather (`DSparkProposer._gather_context`): the
+    # batch pads every context to the longest and every block to the deepest, and writes each
+    # block's keys into the room after the padded context. A request drafted beside others
+    # (contexts of 5..61 rows, depths 1..7) must draft what it drafts alone: the same greedy
+    # tokens, the same confidences and draft distributions (fp32).
+    from dspark.messages import DraftQuery
+
+    target, drafter = tiny_dspark
+    rng = torch.Generator().manual_seed(0)
+    lengths, depths = [61, 5, 23, 40, 9], [3, 7, 1, 5, 2]
+    for temperature in (0.0, 1.0):
+        batched = DSparkProposer(drafter, target, num_blocks=64, block_size=4)
+        width = batched.model.fc.in_features
+        prompts = [tuple(torch.randint(1, 50, (n,), generator=rng).tolist()) for n in lengths]
+        rows = [torch.randn(n - 1, width, generator=rng) for n in lengths]
+        ids = [f"r{i}" for i in range(len(lengths))]
+        params = SamplingParams(temperature=temperature)
+        for i, r in enumerate(ids):
+            batched.add_request(NewRequest(r, (), params, seed=i))
+        batched.propose([DraftQuery(r, p, 0, h) for r, p, h in zip(ids, prompts, rows)])
+        together = batched.propose([DraftQuery(r, (), d, None) for r, d in zip(ids, depths)])
+        for i, r in enumerate(ids):
+            alone = DSparkProposer(drafter, target, num_blocks=64, block_size=4)
+            alone.add_request(NewRequest(r, (), params, seed=i))
+            alone.propose([DraftQuery(r, prompts[i], 0, rows[i])])
+            one = alone.propose([DraftQuery(r, (), depths[i], None)])
+            d = depths[i]
+            assert torch.equal(together.token_ids[i, :d], one.token_ids[0, :d]), (temperature, i)
+            torch.testing.assert_close(together.confidences[i, :d], one.confidences[0, :d],
+                                       atol=ATOL, rtol=RTOL)
+            if temperature > 0:
+                torch.testing.assert_close(together.probs[i, :d], one.probs[0, :d],
+                                           atol=ATOL, rtol=RTOL)
