@@ -20,6 +20,10 @@ File format (JSON lines, UTF-8): the first line is a header object, every furthe
 `t` is the step's start in seconds since the first recorded step, `dt` its wall-clock duration
 (drafting, scheduling, verify, commit), `K` the budget. Confidences are rounded to 4 digits.
 
+`steps_by_budget` splits a trace's time by what its steps did (`dspark trace-summary`):
+steps that took in a prompt, and decode steps by their budget K, each with its tokens a ms;
+`dspark bench-policies --trace-dir` records one trace per arm and cell.
+
 Example:
     >>> import io, json
     >>> rec = TraceRecorder(meta={"proposer": "ngram"})
@@ -131,6 +135,66 @@ class Trace:
         """Committed tokens over the summed step time (the engine's busy time)."""
         busy = sum(s.seconds for s in self.steps)
         return sum(sum(s.committed) for s in self.steps) / busy if busy else 0.0
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """The steps of one kind in a trace (`steps_by_budget`): those that took in a prompt, or the
+    decode steps of one budget K."""
+
+    kind: str  # "prefill", or "K=<k>"
+    steps: int
+    seconds: float  # their summed wall-clock time
+    tokens: int  # tokens they committed
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.tokens / (1000 * self.seconds) if self.seconds > 0 else float("nan")
+
+
+def steps_by_budget(trace: Trace) -> list[BudgetRow]:
+    """The trace's steps split by what they did: "prefill" (a request's first step, its prompt
+    in the pass), then decode steps by their budget K, ascending. Where a policy trails another
+    this says whether it idles (K = 0) or speculates at a lower rate, and what each kind of step
+    costs (a step of K = 0 with drafts is a probe).
+
+    >>> steps = [StepTrace(i, 0.0, dt, k, ("r",), (1,), (new,), (k,), (k,), (k,), (k + 1,), (0,),
+    ...                    None) for i, (dt, k, new) in enumerate([(0.02, 0, 1), (0.01, 3, 0),
+    ...                                                           (0.005, 0, 0), (0.01, 3, 0)])]
+    >>> [(r.kind, r.steps, r.tokens, round(r.tokens_per_ms, 2)) for r in steps_by_budget(
+    ...     Trace({}, tuple(steps)))]
+    [('prefill', 1, 1, 0.05), ('K=0', 1, 1, 0.2), ('K=3', 2, 8, 0.4)]
+    """
+    sums: dict[str, list[float]] = {}
+    for s in trace.steps:
+        kind = "prefill" if any(s.new) else f"K={s.budget}"
+        row = sums.setdefault(kind, [0, 0.0, 0])
+        row[0] += 1
+        row[1] += s.seconds
+        row[2] += sum(s.committed)
+    order = sorted(sums, key=lambda k: (k != "prefill", int(k[2:]) if k != "prefill" else 0))
+    return [BudgetRow(k, int(sums[k][0]), sums[k][1], int(sums[k][2])) for k in order]
+
+
+def format_budget_rows(trace: Trace) -> str:
+    """`steps_by_budget` as a table (what `dspark trace-summary` prints)."""
+    rows = steps_by_budget(trace)
+    total = sum(r.seconds for r in rows)
+    lines = [f"{len(trace.steps)} steps, {sum(r.tokens for r in rows)} tokens, "
+             f"{trace.tokens_per_second() / 1000:.3f} tokens a ms",
+             f"{'steps':<9}{'count':>7}{'time':>8}{'ms/step':>9}{'tok/step':>10}{'tok/ms':>8}"]
+    for r in rows:
+        lines.append(f"{r.kind:<9}{r.steps:>7}{r.seconds / total:>8.1%}{r.ms_per_step:>9.2f}"
+                     f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}")
+    return "\n".join(lines)
 
 
 @dataclass

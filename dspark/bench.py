@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dspark.coordinator.engine import Engine
+from dspark.coordinator.trace import TraceRecorder
 from dspark.demo import heldout_prompts_path
 from dspark.sampling_params import SamplingParams
 from dspark.training.prompts import load_prompts
@@ -192,7 +193,7 @@ POLICY_ARMS = (
 def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
                      out_dir: Path = Path("runs/bench_policies"), repeats: int = 3,
-                     arms: tuple[str, ...] | None = None) -> dict:
+                     arms: tuple[str, ...] | None = None, trace_dir: Path | None = None) -> dict:
     """Policies side by side at several numbers of requests in flight (closed loop).
 
     Requests ask for `max_tokens` on average, each drawn (seeded, the same for every arm) from
@@ -208,7 +209,11 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     in a rotated order each round, and reports the median tokens/s: on a shared machine a load
     spike then hits one run of one arm, not a whole arm. "x off" is the median over rounds of
     each round's ratio to `off` (paired), which also cancels the machine's slower drifts, with
-    a 95% bootstrap interval for that median (`median_ci`)."""
+    a 95% bootstrap interval for that median (`median_ci`).
+
+    With `trace_dir`, each arm's steps in each cell (warm-up excluded) are also written there as
+    a step trace, `T<t>_c<in flight>_<arm>.jsonl` (`coordinator/trace.py`; summarised by
+    `dspark trace-summary`): where an arm trails, its trace says in which steps."""
     labels = [label for label, _, _ in POLICY_ARMS]
     unknown = sorted(set(arms or ()) - set(labels))
     if unknown:
@@ -238,11 +243,21 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
         row = results.setdefault(f"T={temperature:g}", {}).setdefault(str(conc), {})
         runs: dict[str, list[dict]] = {label: [] for label in engines}
         labels = list(engines)
+        if trace_dir is not None:
+            for label, engine in engines.items():
+                engine.trace = TraceRecorder(meta={
+                    "proposer": proposer, "arm": label, "temperature": temperature,
+                    "in_flight": conc, "max_tokens": max_tokens})
         for rep in range(rounds_for(conc, repeats)):
             batch, params = round_workload(served, n, rep, temperature, max_tokens)
             for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
                 runs[label].append(_policy_run(engines[label], conc, batch, params))
                 bar.update()
+        if trace_dir is not None:
+            for label, engine in engines.items():
+                assert engine.trace is not None
+                engine.trace.save(trace_dir / trace_name(temperature, conc, label))
+                engine.trace = None
         for label in labels:
             row[label] = _merge_runs(runs[label])
             # Paired: each round ran every arm once, close in time; the median of the per-round
@@ -262,6 +277,15 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
     return results
+
+
+def trace_name(temperature: float, conc: int, label: str) -> str:
+    """The file name of one arm's trace in one cell (`run_policy_bench`'s `trace_dir`).
+
+    >>> trace_name(1.0, 16, "fixed k=3")
+    'T1_c16_fixed-k3.jsonl'
+    """
+    return f"T{temperature:g}_c{conc}_{label.replace(' ', '-').replace('=', '')}.jsonl"
 
 
 def rounds_for(conc: int, repeats: int) -> int:

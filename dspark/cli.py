@@ -165,7 +165,22 @@ def cmd_bench_policies(a: argparse.Namespace) -> int:
     temps = tuple(float(t) for t in a.temperatures.split(","))
     arms = tuple(a.arms.split(",")) if a.arms else None
     run_policy_bench(proposer=a.proposer, concurrencies=concs, temperatures=temps,
-                     max_tokens=a.max_tokens, out_dir=Path(a.out), repeats=a.repeats, arms=arms)
+                     max_tokens=a.max_tokens, out_dir=Path(a.out), repeats=a.repeats, arms=arms,
+                     trace_dir=Path(a.trace_dir) if a.trace_dir else None)
+    return 0
+
+
+def cmd_trace_summary(a: argparse.Namespace) -> int:
+    from dspark.coordinator.trace import format_budget_rows, read_trace
+
+    for path in a.traces:
+        try:
+            trace = read_trace(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: {getattr(e, 'strerror', None) or e}") from e
+        meta = " ".join(f"{k}={v}" for k, v in trace.meta.items())
+        print(f"== {path}" + (f" ({meta})" if meta else ""))
+        print(format_budget_rows(trace))
     return 0
 
 
@@ -336,7 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3,
                    help="interleaved rounds per cell (median); 1 and 4 in flight run 4x and 2x as many")
     p.add_argument("--out", default="runs/bench_policies")
+    p.add_argument("--trace-dir", help="also write each arm's step trace per cell there "
+                   "(summarise with `dspark trace-summary`)")
     p.set_defaults(fn=cmd_bench_policies)
+
+    p = sub.add_parser("trace-summary",
+                       help="a step trace's time by kind of step: prompts, and decode steps by K")
+    p.add_argument("traces", nargs="+", help="trace files (JSON lines, coordinator/trace.py)")
+    p.set_defaults(fn=cmd_trace_summary)
 
     p = sub.add_parser("profile", help="measure the step-cost model (verify and draft) and plot it")
     p.add_argument("--target")

@@ -73,3 +73,22 @@ def test_median_interval_covers_the_median_and_narrows_with_more_rounds() -> Non
     lo80, hi80 = median_ci(many)
     assert hi80 - lo80 < (hi - lo) / 2  # 16x the rounds: about a quarter of the width
     assert lo80 < 1.0 < hi80  # the true median, at this seed
+
+
+def test_policy_bench_writes_each_arms_trace_per_cell_without_the_warm_up(tmp_path) -> None:
+    from dspark.bench import output_lengths, rounds_for, run_policy_bench, trace_name
+    from dspark.coordinator.trace import read_trace, steps_by_budget
+
+    arms = ("off", "fixed k=3")
+    run_policy_bench(concurrencies=(1,), temperatures=(0.0,), max_tokens=4, repeats=1,
+                     arms=arms, out_dir=tmp_path, trace_dir=tmp_path / "traces")
+    served = sum(sum(output_lengths(8, 4, seed=rep)) for rep in range(rounds_for(1, 1)))
+    for label in arms:
+        trace = read_trace(tmp_path / "traces" / trace_name(0.0, 1, label))
+        assert trace.meta["arm"] == label and trace.meta["in_flight"] == 1
+        assert sum(sum(s.committed) for s in trace.steps) == served  # warm-up left out
+        kinds = {r.kind for r in steps_by_budget(trace)}
+        if label == "off":
+            assert kinds == {"prefill", "K=0"}
+        else:  # k = 3, fewer only where a request has fewer tokens left
+            assert "K=3" in kinds and kinds <= {"prefill", "K=0", "K=1", "K=2", "K=3"}

@@ -73,3 +73,44 @@ def test_reader_rejects_other_files() -> None:
         read_trace(io.StringIO('{"format": "something-else"}\n'))
     with pytest.raises(ValueError, match="empty"):
         read_trace(io.StringIO(""))
+
+
+def test_steps_by_budget_splits_time_by_kind_of_step() -> None:
+    from dspark.coordinator.trace import StepTrace, Trace, steps_by_budget
+
+    def step(i: int, dt: float, k: int, new: int, committed: int, drafted: int = 0) -> StepTrace:
+        return StepTrace(i, 0.0, dt, k, ("r",), (1,), (new,), (drafted,), (k,), (k,),
+                         (committed,), (0,), None)
+
+    trace = Trace({}, (step(0, 0.030, 0, 1, 1), step(1, 0.012, 3, 0, 4, 3),
+                       step(2, 0.006, 0, 0, 1), step(3, 0.016, 0, 0, 1, 7),  # a probe's round
+                       step(4, 0.010, 3, 0, 2, 3), step(5, 0.014, 12, 0, 6, 7)))
+    rows = steps_by_budget(trace)
+    assert [(r.kind, r.steps, r.tokens) for r in rows] == [
+        ("prefill", 1, 1), ("K=0", 2, 2), ("K=3", 2, 6), ("K=12", 1, 6)]  # K in numeric order
+    k3 = rows[2]
+    assert k3.seconds == pytest.approx(0.022)
+    assert k3.ms_per_step == pytest.approx(11.0)
+    assert k3.tokens_per_step == 3.0
+    assert k3.tokens_per_ms == pytest.approx(6 / 22)
+    assert sum(r.steps for r in rows) == len(trace.steps)
+
+
+def test_trace_summary_prints_each_kind_of_step_and_refuses_bad_files(recorded, tmp_path,
+                                                                      capsys) -> None:
+    from dspark.cli import main as cli_main
+    from dspark.coordinator.trace import steps_by_budget
+
+    rec, _ = recorded
+    path = rec.save(tmp_path / "run.jsonl")
+    assert cli_main(["trace-summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "proposer=ngram" in out
+    for row in steps_by_budget(rec.trace()):
+        assert f"{row.kind:<9}{row.steps:>7}" in out
+    (tmp_path / "other.jsonl").write_text('{"format": "other"}\n')
+    for bad, message in ((tmp_path / "missing.jsonl", "No such file"),
+                         (tmp_path / "other.jsonl", "not a dspark-trace")):
+        assert cli_main(["trace-summary", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert str(bad) in err and message in err
