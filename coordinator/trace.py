@@ -164,7 +164,7 @@ def steps_by_budget(trace: Trace) -> list[BudgetRow]:
     """The trace's steps split by what they did: "prefill" (a request's first step, its prompt
     in the pass), then decode steps by their budget K, ascending. Where a policy trails another
     this says whether it idles (K = 0) or speculates at a lower rate, and what each kind of step
-    costs (a step of K = 0 with drafts is a probe).
+    costs. A probe counts under the K it verified.
 
     >>> steps = [StepTrace(i, 0.0, dt, k, ("r",), (1,), (new,), (k,), (k,), (k,), (k + 1,), (0,),
     ...                    None) for i, (dt, k, new) in enumerate([(0.02, 0, 1), (0.01, 3, 0),
@@ -173,26 +173,24 @@ def steps_by_budget(trace: Trace) -> list[BudgetRow]:
     ...     Trace({}, tuple(steps)))]
     [('prefill', 1, 1, 0.05), ('K=0', 1, 1, 0.2), ('K=3', 2, 8, 0.4)]
     """
-    sums: dict[str, list[float]] = {}
+    groups: dict[int | None, list[StepTrace]] = {}  # None: steps that took in a prompt
     for s in trace.steps:
-        kind = "prefill" if any(s.new) else f"K={s.budget}"
-        row = sums.setdefault(kind, [0, 0.0, 0])
-        row[0] += 1
-        row[1] += s.seconds
-        row[2] += sum(s.committed)
-    order = sorted(sums, key=lambda k: (k != "prefill", int(k[2:]) if k != "prefill" else 0))
-    return [BudgetRow(k, int(sums[k][0]), sums[k][1], int(sums[k][2])) for k in order]
+        groups.setdefault(None if any(s.new) else s.budget, []).append(s)
+    order = sorted(groups, key=lambda k: -1 if k is None else k)
+    return [BudgetRow("prefill" if k is None else f"K={k}", len(groups[k]),
+                      sum(s.seconds for s in groups[k]),
+                      sum(sum(s.committed) for s in groups[k])) for k in order]
 
 
 def format_budget_rows(trace: Trace) -> str:
     """`steps_by_budget` as a table (what `dspark trace-summary` prints)."""
     rows = steps_by_budget(trace)
-    total = sum(r.seconds for r in rows)
-    lines = [f"{len(trace.steps)} steps, {sum(r.tokens for r in rows)} tokens, "
-             f"{trace.tokens_per_second() / 1000:.3f} tokens a ms",
+    seconds, tokens = sum(r.seconds for r in rows), sum(r.tokens for r in rows)
+    lines = [f"{len(trace.steps)} steps, {tokens} tokens, "
+             f"{tokens / (1000 * seconds) if seconds else 0.0:.3f} tokens a ms",
              f"{'steps':<9}{'count':>7}{'time':>8}{'ms/step':>9}{'tok/step':>10}{'tok/ms':>8}"]
     for r in rows:
-        lines.append(f"{r.kind:<9}{r.steps:>7}{r.seconds / total:>8.1%}{r.ms_per_step:>9.2f}"
+        lines.append(f"{r.kind:<9}{r.steps:>7}{r.seconds / seconds:>8.1%}{r.ms_per_step:>9.2f}"
                      f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}")
     return "\n".join(lines)
 
