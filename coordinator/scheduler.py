@@ -52,7 +52,7 @@ from dspark.coordinator.exploration import (
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.coordinator.stale_history import STALE_STEPS, SurvivalHistory, survivals_of
 from dspark.coordinator.step_pricing import RoundInFlight, StepPricer
-from dspark.kernels.budget import allocate_survivals, rank_slots
+from dspark.kernels.budget import allocate_survivals, candidate_plans, rank_slots
 from dspark.messages import Drafts, StepState
 
 RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
@@ -122,14 +122,11 @@ class BudgetedPolicy(Policy):
                   ) -> tuple[int, int]:
         """(K, depth): `best_budget`'s K and how many positions the round must draft. A round
         of d positions costs draft_first + (d − 1)·draft, plus `catch_up` seconds (the rows the
-        drafter must take in first), and K = 0 skips the round. The candidates are, for each
-        depth cap d, the first K slots (in `rank_slots` order) among those at positions <= d:
-        a plan verifies the best slots a round of d positions drafts. Without the cap (only
-        prefixes of the whole order) a plan that wanted one request's 3rd slot took every slot
-        ranked above it, another request's 5th included, and paid a round of 5 positions for
-        every request (4 in flight, T = 1, steps with every slot busy: 19.8 drafts verified for
-        11.4 tokens in 28.6 ms, 0.40 tokens a ms, where fixed k = 3 ran at 0.45; with the
-        cap 19.3 drafts for 12.5 tokens in 26.9 ms, 0.46).
+        drafter must take in first), and K = 0 skips the round. The candidates are
+        `candidate_plans`': for each depth cap d, the best K slots a round of d positions drafts
+        (without the cap, at 4 in flight, T = 1, steps with every slot busy: 19.8 drafts
+        verified for 11.4 tokens in 28.6 ms, 0.40 tokens a ms, where fixed k = 3 ran at 0.45;
+        with it 19.3 drafts for 12.5 tokens in 26.9 ms, 0.46).
         A K > 0 must beat K = 0's Θ by `margin` (a fraction) to be chosen. The pass also carries
         `prompt_tokens` (default: this step's). A round that drafts `drafted` positions whatever
         K is (a probe's) has that round and `catch_up` in every K's time, K = 0's too."""
@@ -137,24 +134,12 @@ class BudgetedPolicy(Policy):
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self.pricer.prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
-        # Candidates [n]: K slots, their tokens and the round's depth; K = 0 first. A probe's
-        # round is paid whatever its depth: its candidates are the prefixes of the whole order,
-        # as are a lone request's (its K-th slot is its K-th position).
-        if drafted is not None or num_reqs == 1:
-            counts = np.arange(a.size + 1)
-            tokens = num_reqs + np.concatenate(([0.0], a.cumsum()))
-            depths = counts if drafted is None else np.full(counts.size, drafted)
-            verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
-                                            self.pricer.sampled)
-        else:
-            caps = np.arange(1, int(pos.max()) + 1) if pos.size else pos
-            keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
-            counts = np.concatenate(([0], keep.cumsum(axis=1)[keep]))
-            tokens = num_reqs + np.concatenate(([0.0], np.where(keep, a, 0.0).cumsum(axis=1)[keep]))
-            depths = np.concatenate(([0], np.maximum.accumulate(np.where(keep, pos, 0),
-                                                                axis=1)[keep]))
-            verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
-                                            self.pricer.sampled)[counts]
+        counts, drafts, depths = candidate_plans(a, pos, drafted is not None or num_reqs == 1)
+        if drafted is not None:
+            depths = np.full(counts.size, drafted)
+        tokens = num_reqs + drafts
+        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
+                                        self.pricer.sampled)[counts]
         first, each = self.cost.draft_costs(num_reqs, self.pricer.sampled)
         times = self.pricer.time_fit(num_reqs).candidate_times(verify, depths, first, each,
                                                                num_reqs, cold)
@@ -178,30 +163,40 @@ class BudgetedPolicy(Policy):
             gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
         best = int(value.argmax())  # the first maximum: the shallowest, smallest K on ties
         if drafted is None:
-            # How close K = 0 came to winning, read by `Exploration.explores_idle` in the next
-            # decode steps: from decode steps' plans only. Beside a prompt the pass's time dominates
-            # both sides and the margin shrinks: at 16 in flight on a simulated H200, plans
-            # beside 141–196 prompt tokens had K = 0 win if priced 16–20% too dear, where decode
-            # steps' plans put that at 78–99%, and each time the next decode steps idled three
-            # in a row to measure it (9,380 tok/s; 9,734 without those two stretches). (The
-            # rounds' exploration keeps reading every plan: on the CPU, with the draft model at
-            # 4 in flight, T = 1, reading decode steps only cut the drafts it verified 4x.)
-            if not prompt_tokens:
-                self.exploration.flip = flip_error(
-                    float(times[0]), float(tokens[best] / times[best]), float(value[best]),
-                    num_reqs, price)
-            if value.size > 1:
-                rival = 1 + int(value[1:].argmax())  # the best plan that drafts
-                self.exploration.round_flip = 0.0 if best else round_flip_error(
-                    float(tokens[0] / times[0]), float(value[0]), float(tokens[rival]),
-                    float(times[rival]), price)
-                if self.exploration.exploring_rounds:
-                    return int(counts[rival]), int(depths[rival])
-            else:  # no plan drafts (no request may draft): none to explore
-                self.exploration.round_flip = float("inf")
+            rival = self._note_margins(tokens, times, value, best, price, num_reqs,
+                                       prompt_tokens)
+            if rival is not None and self.exploration.exploring_rounds:
+                return int(counts[rival]), int(depths[rival])
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
+
+    def _note_margins(self, tokens: np.ndarray, times: np.ndarray, value: np.ndarray, best: int,
+                      price: float | None, num_reqs: int, prompt_tokens: int) -> int | None:
+        """Record how close this plan came to the other choice (`Exploration.flip`: K = 0
+        winning; `round_flip`: the best plan that drafts winning), read by the exploration in the
+        next steps. Returns that best plan that drafts (the index of its candidate), None if no
+        plan drafts. candidates [n]: tokens, times and values, K = 0 first.
+
+        K = 0's margin is read from decode steps' plans only. Beside a prompt the pass's time
+        dominates both sides and the margin shrinks: at 16 in flight on a simulated H200, plans
+        beside 141–196 prompt tokens had K = 0 win if priced 16–20% too dear, where decode
+        steps' plans put that at 78–99%, and each time the next decode steps idled three in a
+        row to measure it (9,380 tok/s; 9,734 without those two stretches). (The rounds'
+        margin keeps reading every plan: on the CPU, with the draft model at 4 in flight,
+        T = 1, reading decode steps only cut the drafts it verified 4x.)"""
+        if not prompt_tokens:
+            self.exploration.flip = flip_error(
+                float(times[0]), float(tokens[best] / times[best]), float(value[best]),
+                num_reqs, price)
+        if value.size == 1:  # no plan drafts (no request may draft): none to explore
+            self.exploration.round_flip = float("inf")
+            return None
+        rival = 1 + int(value[1:].argmax())
+        self.exploration.round_flip = 0.0 if best else round_flip_error(
+            float(tokens[0] / times[0]), float(value[0]), float(tokens[rival]),
+            float(times[rival]), price)
+        return rival
 
     def stale_survivals(self, req_ids: tuple[str, ...]) -> np.ndarray:  # [num_reqs, γ]
         """This step's stale survivals (`SurvivalHistory.stale`): what the budget reads."""

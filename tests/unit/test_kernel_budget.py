@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from dspark.kernels.budget import allocate, allocate_ref
+from dspark.kernels.budget import allocate, allocate_ref, candidate_plans, rank_slots
 
 
 def _brute_force(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> list[int]:
@@ -77,3 +78,28 @@ def test_ties_go_to_smaller_position_then_earlier_request() -> None:
 def test_empty_batch_and_zero_budget() -> None:
     assert allocate_ref(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), 4).tolist() == []
     assert allocate_ref(torch.rand(2, 3), torch.tensor([3, 3]), 0).tolist() == [0, 0]
+
+
+def test_candidate_plans_are_the_best_slots_of_each_round_depth() -> None:
+    """For each depth cap d and each K, the candidate is the first K slots (key (−a, j, r)) at
+    positions <= d, with their Σ a and depth, against a brute-force filter of the sorted
+    slots; with `prefixes`, the prefixes of the whole order. Dyadic survivals make ties (and
+    exact sums)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        num_reqs, width = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        conf = rng.integers(0, 5, (num_reqs, width)) / 4.0
+        survivals = np.cumprod(conf, axis=1)
+        limits = rng.integers(0, width + 1, num_reqs)
+        a, pos, _ = rank_slots(survivals, limits)
+        counts, tokens, depths = candidate_plans(a, pos, prefixes=False)
+        expected = [(0, 0.0, 0)]
+        for d in range(1, int(pos.max(initial=0)) + 1):
+            kept = [(x, j) for x, j in zip(a.tolist(), pos.tolist(), strict=True) if j <= d]
+            for k in range(1, len(kept) + 1):
+                expected.append((k, sum(x for x, _ in kept[:k]), max(j for _, j in kept[:k])))
+        got = list(zip(counts.tolist(), tokens.tolist(), depths.tolist(), strict=True))
+        assert got == expected  # dyadic: sums are exact
+        counts, tokens, depths = candidate_plans(a, pos, prefixes=True)
+        assert counts.tolist() == depths.tolist() == list(range(a.size + 1))
+        assert tokens.tolist() == pytest.approx([0.0, *np.cumsum(a).tolist()])
