@@ -134,10 +134,10 @@ class BudgetedPolicy(Policy):
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self.pricer.prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
-        counts, drafts, depths = candidate_plans(a, pos, drafted is not None or num_reqs == 1)
+        counts, accepted, depths = candidate_plans(a, pos, drafted is not None or num_reqs == 1)
         if drafted is not None:
             depths = np.full(counts.size, drafted)
-        tokens = num_reqs + drafts
+        tokens = num_reqs + accepted  # [n] expected tokens committed
         verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
                                         self.pricer.sampled)[counts]
         first, each = self.cost.draft_costs(num_reqs, self.pricer.sampled)
