@@ -104,7 +104,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), sharey=True)
-    for ax, (setting, arms) in zip(axes, results.items()):
+    for ax, (setting, arms) in zip(axes, results.items(), strict=False):
         for arm, r in arms.items():
             ax.plot(range(1, GAMMA + 1), r["acceptance"], "o-", label=f"{arm} (τ {r['tau']:.2f})")
         ax.set_title(f"{setting}: acceptance per position")

@@ -23,10 +23,10 @@ def commit(
     max_model_len: int,
     detokenize: Callable[[list[int]], str],
 ) -> StepState:
-    drafted = dict(zip(drafts.req_ids, drafts.num_drafts.tolist()))
+    drafted = dict(zip(drafts.req_ids, drafts.num_drafts.tolist(), strict=True))
     steps = []
     for req_id, planned, accepted, tokens in zip(
-        result.req_ids, plan.num_draft, result.num_accepted, result.output_tokens
+        result.req_ids, plan.num_draft, result.num_accepted, result.output_tokens, strict=True
     ):
         req = requests[req_id]
         assert len(tokens) == accepted + 1 and accepted <= planned

@@ -142,7 +142,7 @@ class AcceptanceTracker:
                 continue
             rows.append([
                 (q.accepted + REQUEST_PRIOR_WEIGHT * gj) / (q.reached + REQUEST_PRIOR_WEIGHT)
-                for q, gj in zip(queues, g)
+                for q, gj in zip(queues, g, strict=True)
             ])
         if not rows:
             return torch.zeros(0, self.max_draft, dtype=torch.float64)
@@ -158,10 +158,14 @@ class AcceptanceTracker:
             kinds = [False] * len(drafts.req_ids) if sampled is None else list(sampled)
             assert len(kinds) == len(drafts.req_ids), (len(kinds), len(drafts.req_ids))
             raw = drafts.confidences.to(torch.float64)
-            self._raw = {r: (k, row) for r, k, row in zip(drafts.req_ids, kinds, raw.tolist())}
+            self._raw = {
+                r: (k, row) for r, k, row in zip(drafts.req_ids, kinds, raw.tolist(), strict=True)
+            }
             return replace(drafts, confidences=self.drift.correct(raw, kinds))
         width = drafts.token_ids.shape[1]
-        conf = self.rates(drafts.req_ids)[:, :width] if width else torch.zeros(len(drafts.req_ids), 0)
+        conf = (
+            self.rates(drafts.req_ids)[:, :width] if width else torch.zeros(len(drafts.req_ids), 0)
+        )
         return replace(drafts, confidences=conf.to(torch.float64))
 
     def observe(self, step: StepState) -> None:

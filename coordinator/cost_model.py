@@ -62,7 +62,9 @@ class CostModel:
     def draft_costs(self, num_reqs: int, sampled: bool = False) -> tuple[float, float]:
         """(first position, each further position) of a drafting round over `num_reqs`."""
         per = self.draft_sampled if sampled and self.draft_sampled else self.draft
-        first = self.draft_first_sampled if sampled and self.draft_first_sampled else self.draft_first
+        first = (
+            self.draft_first_sampled if sampled and self.draft_first_sampled else self.draft_first
+        )
         if not per or num_reqs <= 0:
             return 0.0, 0.0
         each = _lookup(per, num_reqs)

@@ -145,7 +145,7 @@ class Engine:
         block_size: int = 16,
         seed: int = 0,
         cost_model: CostModel | str | Path | None = None,
-        profile_dir: str | Path = Path.home() / ".cache" / "dspark" / "cost",
+        profile_dir: str | Path | None = None,  # default: ~/.cache/dspark/cost, read per call
         workers: tuple[TargetWorker, Proposer] | None = None,
         trace: TraceRecorder | None = None,
     ) -> None:
@@ -164,9 +164,13 @@ class Engine:
             # Remote workers (Ray actor pools) speak the same verbs as the local ones.
             self.target, self.proposer = workers
         else:
-            self.proposer = self._make_proposer(proposer, drafter, target_dir, num_blocks, block_size, dtype)
+            self.proposer = self._make_proposer(
+                proposer, drafter, target_dir, num_blocks, block_size, dtype
+            )
             hidden_layers = tuple(getattr(self.proposer, "hidden_layers", ()))
-            self.target = TargetRunner(target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers)
+            self.target = TargetRunner(
+                target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers
+            )
         self._check_vocab()
         self.tracker = AcceptanceTracker(max_draft=k)
         self.cost_model = self._cost_model(policy, cost_model, target_dir, drafter, profile_dir, k)
@@ -216,7 +220,7 @@ class Engine:
         return DraftModelProposer(path, num_blocks, block_size, dtype)
 
     def _cost_model(self, policy: str, given: CostModel | str | Path | None, target_dir: Path,
-                    drafter: str | Path | None, profile_dir: str | Path, k: int
+                    drafter: str | Path | None, profile_dir: str | Path | None, k: int
                     ) -> CostModel | None:
         if policy not in POLICY_NAMES:
             raise ValueError(f"policy={policy!r}: choose one of {list(POLICY_NAMES)}")
@@ -231,13 +235,16 @@ class Engine:
         name = getattr(self.proposer, "name", "none")
         layout = f"{type(self.target).__name__}-tp{getattr(self.target, 'tp', 1)}"
         return load_or_profile(target_dir, drafter_dir(name, drafter), self.target,
-                               None if name == "none" else self.proposer, profile_dir,
+                               None if name == "none" else self.proposer,
+                               profile_dir or Path.home() / ".cache" / "dspark" / "cost",
                                layout=layout, block=k)
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.proposer, "vocab_size", None)
         if vocab is not None and vocab != self.target.config.vocab_size:
-            raise ValueError(f"drafter vocab {vocab} != target vocab {self.target.config.vocab_size}")
+            raise ValueError(
+                f"drafter vocab {vocab} != target vocab {self.target.config.vocab_size}"
+            )
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
@@ -292,7 +299,10 @@ class Engine:
 
     # --- the step loop --------------------------------------------------------------------
     def _blocks_for(self, req: Request) -> int:
-        most = min(len(req.prompt_ids) + req.params.max_tokens + self.max_k + 1, self.max_model_len + self.max_k)
+        most = min(
+            len(req.prompt_ids) + req.params.max_tokens + self.max_k + 1,
+            self.max_model_len + self.max_k,
+        )
         return -(-most // self.block_size)
 
     def _admit(self) -> None:
@@ -375,7 +385,7 @@ class Engine:
         lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled,
                                             backlog, sum(r.uncached_tokens for r in reqs))
         queries = []
-        for r, n in zip(reqs, lengths):
+        for r, n in zip(reqs, lengths, strict=True):
             if n == 0:
                 # Nothing to draft: new tokens and hidden rows wait here and go out together
                 # with the next query that drafts, so an idle drafter costs (almost) nothing.
@@ -402,7 +412,7 @@ class Engine:
             return None
         verify_seconds = time.perf_counter() - clock
         if result.hidden is not None:
-            for req_id, rows in zip(result.req_ids, result.hidden):
+            for req_id, rows in zip(result.req_ids, result.hidden, strict=True):
                 self._pending_hidden.setdefault(req_id, []).append(rows)
         self._step_no += 1
         state = commit(
@@ -436,7 +446,9 @@ class Engine:
         if self.trace is not None:
             self.trace.record(state, drafts, planned, start)
 
-    def _plan(self, reqs: list[Request], drafts: Drafts, planned: list[int], budget: int) -> VerifyPlan:
+    def _plan(
+        self, reqs: list[Request], drafts: Drafts, planned: list[int], budget: int
+    ) -> VerifyPlan:
         assert sum(planned) <= budget or budget == 0 and not any(planned)
         width = max(planned, default=0)
         token_ids = drafts.token_ids[:, :width].clone()
@@ -449,7 +461,7 @@ class Engine:
             starts=tuple(r.target_length for r in reqs),
             input_ids=tuple(
                 r.tokens_from(r.target_length) + tuple(token_ids[i, :n].tolist())
-                for i, (r, n) in enumerate(zip(reqs, planned))
+                for i, (r, n) in enumerate(zip(reqs, planned, strict=True))
             ),
             num_draft=tuple(planned),
             draft_token_ids=token_ids,
@@ -458,7 +470,9 @@ class Engine:
         )
 
     def _rollback(self, state: StepState) -> None:
-        self.target.rollback({s.req_id: s.target_length for s in state.requests if s.finish_reason is None})
+        self.target.rollback(
+            {s.req_id: s.target_length for s in state.requests if s.finish_reason is None}
+        )
         for s in state.requests:
             if s.finish_reason is None:
                 self.proposer.commit(s.req_id, s.num_accepted)
@@ -476,7 +490,9 @@ class Engine:
 
     # --- convenience ----------------------------------------------------------------------
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids); results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -484,7 +500,7 @@ class Engine:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         while any(i not in self._finished for i in ids):
             self.step()
         return [self.result(self._finished.pop(i)) for i in ids]

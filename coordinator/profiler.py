@@ -48,7 +48,7 @@ def time_forward(model: DecoderLM, q_lens: list[int], context: int, repeats: int
                          num_blocks=per_req * len(q_lens), block_size=block,
                          dtype=param.dtype, device=param.device)
     ids = [f"p{i}" for i in range(len(q_lens))]
-    for r, n in zip(ids, q_lens):
+    for r, n in zip(ids, q_lens, strict=False):
         cache.reserve(r, context + n)
     tokens = torch.randint(0, cfg.vocab_size, (sum(q_lens),), device=param.device)
     last = torch.tensor(q_lens).cumsum(0) - 1
@@ -56,7 +56,9 @@ def time_forward(model: DecoderLM, q_lens: list[int], context: int, repeats: int
     def run() -> None:
         # Metadata is rebuilt every call, as the engine does every step.
         meta = cache.metadata(ids, [context] * len(ids), q_lens)
-        rows = torch.cat([torch.arange(e - n, e + 1) for e, n in zip(last.tolist(), q_lens)])
+        rows = torch.cat(
+            [torch.arange(e - n, e + 1) for e, n in zip(last.tolist(), q_lens, strict=False)]
+        )
         model.forward_paged(tokens, meta, cache, rows.to(param.device))
 
     return median_time(run, repeats)
@@ -159,7 +161,7 @@ def _plan(ids: list[str], starts: list[int], inputs: list[tuple[int, ...]], num_
     uniform q (a sampled batch reads each draft's q), else deterministic (q one-hot)."""
     width = max(num_draft, default=0)
     drafts = torch.full((len(ids), width), -1, dtype=torch.long)  # [num_reqs, max_draft]
-    for i, (toks, n) in enumerate(zip(inputs, num_draft)):
+    for i, (toks, n) in enumerate(zip(inputs, num_draft, strict=False)):
         if n:
             drafts[i, :n] = torch.tensor(toks[-n:])
     probs = None
@@ -200,13 +202,18 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
             proposer.add_request(NewRequest(r, (), params, seed=i))
         # Prefill the context: every prompt position but the anchor has its target rows.
         prompts = [prompt() for _ in ids]
-        proposer.propose([DraftQuery(r, p, 1, rows(len(p) - 1)) for r, p in zip(ids, prompts)])
+        proposer.propose(
+            [DraftQuery(r, p, 1, rows(len(p) - 1)) for r, p in zip(ids, prompts, strict=False)]
+        )
         for r in ids:
             proposer.commit(r, 0)
         runs = [_round(proposer, ids[:n], k, rows) for n in grid for k in (1, span)]
         times = interleaved_medians(runs, repeats, desc=f"profile draft ({tag})")
         first = times[0::2]
-        each = [max(0.0, (tn - t1) / (span - 1)) for t1, tn in zip(times[0::2], times[1::2])]
+        each = [
+            max(0.0, (tn - t1) / (span - 1))
+            for t1, tn in zip(times[0::2], times[1::2], strict=False)
+        ]
     finally:
         for r in ids:
             proposer.release(r)
@@ -224,7 +231,7 @@ def _profile_catch_up(proposer: Any, prompt: Any, repeats: int, hidden_width: in
     ids = [f"__profile-catch-up-{i}" for i in range(len(prompts))]
     times = []
     try:
-        for i, (r, p) in enumerate(zip(ids, prompts)):
+        for i, (r, p) in enumerate(zip(ids, prompts, strict=False)):
             proposer.add_request(NewRequest(r, (), SamplingParams(temperature=0.0), seed=i))
             start = time.perf_counter()
             proposer.propose([DraftQuery(r, p, 1, rows(len(p) - 1))])

@@ -32,7 +32,10 @@ class RequestStats:
         self.drafted_tokens += drafted
         self.verified_tokens += verified
         self.accepted_tokens += accepted
-        for counts, n in ((self.verified_per_position, verified), (self.accepted_per_position, accepted)):
+        for counts, n in (
+            (self.verified_per_position, verified),
+            (self.accepted_per_position, accepted),
+        ):
             counts.extend([0] * (n - len(counts)))
             for j in range(n):
                 counts[j] += 1

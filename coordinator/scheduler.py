@@ -223,9 +223,9 @@ class BudgetedPolicy(Policy):
         self._steps += 1
         # A request that drafted in the previous step has a steady round's backlog (the
         # profile's); any other first takes in all it missed.
-        self._backlog = {r: b for r, b in zip(req_ids, backlog or [0] * len(req_ids))
+        self._backlog = {r: b for r, b in zip(req_ids, backlog or [0] * len(req_ids), strict=True)
                          if self._last_drafted.get(r) != self._steps - 1}
-        self._caps = dict(zip(req_ids, caps))
+        self._caps = dict(zip(req_ids, caps, strict=True))
         self._cold = self._last_round != self._steps - 1
         self.pricer.prompt_tokens = prompt_tokens
         fit, prefills = self.pricer.fit_of(len(req_ids)), prompt_tokens > 0
@@ -358,17 +358,19 @@ class BudgetedPolicy(Policy):
     def plan_verification(self, drafts: Drafts, budget: int) -> list[int]:
         assert self._planned is not None, "choose_budget first"
         drafted = drafts.num_drafts.tolist()
-        planned = [min(p, n) for p, n in zip(self._planned, drafted)]
+        planned = [min(p, n) for p, n in zip(self._planned, drafted, strict=True)]
         # A round in which a request drafts for the first time in more than a step first takes
         # in every row it missed (a whole prompt, or the steps it idled): not the steady round
         # the profile timed, only an upper bound on it, which the drafting scale takes only
         # when it beat its profile (`StepTimeFit.add`); a cold one teaches the resume scale.
         # `_backlog` holds exactly the requests that did not draft in the previous step.
-        caught_up = [r for r, n in zip(drafts.req_ids, drafted) if n and r in self._backlog]
+        caught_up = [
+            r for r, n in zip(drafts.req_ids, drafted, strict=True) if n and r in self._backlog
+        ]
         self.pricer.in_flight = RoundInFlight(
             len(planned), max(drafted, default=0), not caught_up, self._cold,
             sum(self._backlog[r] for r in caught_up), len(planned) + sum(planned))
-        for r, n in zip(drafts.req_ids, drafted):
+        for r, n in zip(drafts.req_ids, drafted, strict=True):
             if n:
                 self._last_drafted[r] = self._steps
         # A round counts when it drafted: a budget for a request whose drafter cannot draft yet
@@ -431,7 +433,9 @@ class BudgetedPolicy(Policy):
         """Each request's steps left to speculate: its cap over the 1 + Σ a tokens a step
         commits. survivals: [num_reqs, γ] the stale survivals the budget reads."""
         tokens = (1 + np.asarray(survivals).sum(axis=1)).tolist()  # [num_reqs] tokens a step
-        return [self._caps.get(r, 0) / per_step for r, per_step in zip(req_ids, tokens)]
+        return [
+            self._caps.get(r, 0) / per_step for r, per_step in zip(req_ids, tokens, strict=True)
+        ]
 
     def _catch_up_seconds(self, req_ids: tuple[str, ...], steps: list[float]) -> float:
         """What catching up adds to a drafting round's time, each request's share spread over
@@ -441,7 +445,7 @@ class BudgetedPolicy(Policy):
         if not self._backlog or self.cost.catch_up == 0:
             return 0.0
         rows = 0.0
-        for r, left in zip(req_ids, steps):
+        for r, left in zip(req_ids, steps, strict=True):
             backlog = self._backlog.get(r, 0)
             if backlog and left > 0:
                 rows += backlog / max(1.0, left)

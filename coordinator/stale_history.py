@@ -131,7 +131,7 @@ class SurvivalHistory:
                 padded[i, c:] = survivals[i, c - 1] * np.cumprod(rates[c:])
         fresh = [c > 0 for c in counts]
         self.last_push = step
-        for r, row, ok in zip(req_ids, padded, fresh):
+        for r, row, ok in zip(req_ids, padded, fresh, strict=True):
             if ok:
                 history = self.rows.get(r)
                 if history is None:

@@ -230,16 +230,18 @@ class StepTimeFit:
         busy = (other, float(num_reqs)) if with_round else (0.0, 0.0)
         draft_seconds = min(draft_seconds, MAX_RATIO * drafting)
         new = (drafting, draft_seconds, *idle, *busy)
-        self._sums = [FORGET * old + x for old, x in zip(self._sums, new)]
+        self._sums = [FORGET * old + x for old, x in zip(self._sums, new, strict=True)]
         if steady:  # a round that caught up first bounds a steady one's total, not its split
             first = drafting - further
             moments = (first * first, first * further, further * further, first * draft_seconds,
                        further * draft_seconds)
-            self._depth = [FORGET * old + x for old, x in zip(self._depth, moments)]
+            self._depth = [FORGET * old + x for old, x in zip(self._depth, moments, strict=True)]
         z = (verify, 1.0, others, float(after_round)) if verify > 0 else (0.0,) * 4
-        self._verify_zz = [[FORGET * m + zi * zj for m, zj in zip(row, z)]
-                           for row, zi in zip(self._verify_zz, z)]
-        self._verify_zy = [FORGET * m + zi * verify_seconds for m, zi in zip(self._verify_zy, z)]
+        self._verify_zz = [[FORGET * m + zi * zj for m, zj in zip(row, z, strict=True)]
+                           for row, zi in zip(self._verify_zz, z, strict=True)]
+        self._verify_zy = [
+            FORGET * m + zi * verify_seconds for m, zi in zip(self._verify_zy, z, strict=True)
+        ]
         self._prior_scale, self._prior_fixed = prior_scale, prior_fixed
         self._stale = True
 
@@ -301,7 +303,7 @@ class StepTimeFit:
         while True:
             idx = [0, *free]
             coef = dict(zip(idx, _solve([[a[i][j] for j in idx] for i in idx],
-                                        [b[i] for i in idx])))
+                                        [b[i] for i in idx]), strict=True))
             negative = [i for i in free if coef[i] < 0]
             if not negative:
                 return coef[0], coef.get(1, 0.0), coef.get(2, 0.0), coef.get(3, 0.0)
@@ -311,7 +313,7 @@ class StepTimeFit:
         """A step of this kind committed `tokens` and spent `decode_seconds` decoding: its time
         less what a prompt in its pass added (`StepPricer.observe_time`)."""
         self._throughput = [FORGET * old + x for old, x in
-                            zip(self._throughput, (tokens, decode_seconds))]
+                            zip(self._throughput, (tokens, decode_seconds), strict=True)]
 
     @property
     def throughput(self) -> float | None:
@@ -346,7 +348,7 @@ class StepTimeFit:
         if drafting <= 0:
             return
         new = (drafting, min(max(0.0, draft_seconds), MAX_RATIO * drafting))
-        self._resume = [FORGET * old + x for old, x in zip(self._resume, new)]
+        self._resume = [FORGET * old + x for old, x in zip(self._resume, new, strict=True)]
         self._stale = True
 
     def _refit(self) -> Fit:
@@ -368,11 +370,11 @@ class StepTimeFit:
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """x with a · x = b for a small positive-definite a (Gaussian elimination, plain floats)."""
     n = len(b)
-    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]
     for k in range(n):
         for i in range(k + 1, n):
             f = m[i][k] / m[k][k]
-            m[i] = [x - f * y for x, y in zip(m[i], m[k])]
+            m[i] = [x - f * y for x, y in zip(m[i], m[k], strict=True)]
     x = [0.0] * n
     for k in reversed(range(n)):
         x[k] = (m[k][n] - sum(m[k][j] * x[j] for j in range(k + 1, n))) / m[k][k]

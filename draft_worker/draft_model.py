@@ -86,7 +86,7 @@ class DraftModelProposer:
                     for q in step
                 ])
                 tokens = sample_from_probs(q_rows, u)
-            for q, t, q_row in zip(step, tokens.tolist(), q_rows):
+            for q, t, q_row in zip(step, tokens.tolist(), q_rows, strict=True):
                 ids[row[q.req_id], j] = t
                 if probs is not None:
                     probs[row[q.req_id], j] = q_row
@@ -112,7 +112,7 @@ class DraftModelProposer:
         req_ids = [q.req_id for q in step]
         starts = [self.cache.length(r) for r in req_ids]
         q_lens = [len(inputs[r]) for r in req_ids]
-        for r, s, l in zip(req_ids, starts, q_lens):
+        for r, s, l in zip(req_ids, starts, q_lens, strict=True):
             self.cache.reserve(r, s + l)
         meta = self.cache.metadata(req_ids, starts, q_lens)
         flat = torch.tensor([t for r in req_ids for t in inputs[r]], device=self.device)

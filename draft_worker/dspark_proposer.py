@@ -239,7 +239,7 @@ class DSparkProposer:
 
     def _uniforms(self, req_ids: list[str], counts: list[int], width: int) -> torch.Tensor:
         u = torch.zeros(len(req_ids), width, dtype=torch.float64)  # [R, width]
-        for i, (r, c) in enumerate(zip(req_ids, counts)):
+        for i, (r, c) in enumerate(zip(req_ids, counts, strict=True)):
             u[i, :c] = torch.rand(c, dtype=torch.float64, generator=self._states[r].generator)
         return u
 

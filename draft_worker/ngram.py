@@ -40,7 +40,9 @@ class NgramProposer:
             tokens = self._tokens[q.req_id]
             tokens.extend(q.new_token_ids)
             recent = tokens[-self.window :]
-            proposals.append(lookup(recent, q.num_drafts, self.max_n, self.min_n) if q.num_drafts else [])
+            proposals.append(
+                lookup(recent, q.num_drafts, self.max_n, self.min_n) if q.num_drafts else []
+            )
         width = max((len(p) for p in proposals), default=0)
         ids = torch.full((len(queries), width), -1, dtype=torch.long)
         for i, p in enumerate(proposals):

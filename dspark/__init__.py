@@ -3,7 +3,8 @@
 Example:
     >>> from dspark import Engine, SamplingParams
     >>> engine = Engine()  # the shipped demo target and draft model
-    >>> engine.generate("import os\\n", SamplingParams(temperature=0, max_tokens=16))[0].finish_reason
+    >>> out = engine.generate("import os\\n", SamplingParams(temperature=0, max_tokens=16))
+    >>> out[0].finish_reason
     'length'
 """
 

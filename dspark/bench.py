@@ -66,7 +66,9 @@ def _measure(engines: dict[str, Engine], prompts: list[str], params: SamplingPar
     }
 
 
-def run_core_bench(num_prompts: int = 8, max_tokens: int = 96, out_dir: Path = Path("runs/bench_core")) -> dict:
+def run_core_bench(
+    num_prompts: int = 8, max_tokens: int = 96, out_dir: Path = Path("runs/bench_core")
+) -> dict:
     """Proposers side by side on the demo pair, one request in flight, T = 0 and T = 1."""
     prompts = load_prompts(heldout_prompts_path(), num_prompts)
     engines = {a.label: Engine(proposer=a.proposer, policy=a.policy, k=a.k) for a in CORE_ARMS}
@@ -78,8 +80,12 @@ def run_core_bench(num_prompts: int = 8, max_tokens: int = 96, out_dir: Path = P
         results[f"T={temperature:g}"] = _measure(engines, prompts, params, f"T={temperature:g}")
     _print_table(results)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_core.json").write_text(json.dumps(
-        {"num_prompts": num_prompts, "max_tokens": max_tokens, "results": results}, indent=2) + "\n")
+    (out_dir / "bench_core.json").write_text(
+        json.dumps(
+            {"num_prompts": num_prompts, "max_tokens": max_tokens, "results": results}, indent=2
+        )
+        + "\n"
+    )
     _plot(results, out_dir / "bench_core.png")
     print(f"wrote {out_dir / 'bench_core.json'} and {out_dir / 'bench_core.png'}")
     return results
@@ -157,13 +163,16 @@ def run_demo(num_prompts: int = 4, max_tokens: int = 64, in_process: bool = Fals
     engine = Engine(proposer=live.proposer, policy=live.policy, k=live.k)
     local, t_local = timed(engine)
     refs, t_plain = timed(Engine(proposer="none"))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=False):
         print("=" * 72)
         print(prompt + "\033[1m" + out.text + "\033[0m")
     n_service = sum(len(o.token_ids) for o in outs)
     n_local = sum(len(o.token_ids) for o in local)
     n_plain = sum(len(o.token_ids) for o in refs)
-    same = all(o.token_ids == r.token_ids == q.token_ids for o, q, r in zip(outs, local, refs))
+    same = all(
+        o.token_ids == r.token_ids == q.token_ids
+        for o, q, r in zip(outs, local, refs, strict=False)
+    )
     passes = sum(int(o.stats["target_passes"]) for o in outs)
     print("=" * 72)
     print(f"{len(prompts)} concurrent requests, greedy, {max_tokens} tokens max; "
@@ -263,11 +272,11 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
             # Paired: each round ran every arm once, close in time; the median of the per-round
             # ratios cancels the machine's slow drifts that a ratio of medians keeps.
             off = runs.get("off", [])
-            paired = [_rate(r) / _rate(o) for r, o in zip(runs[label], off)]
+            paired = [_rate(r) / _rate(o) for r, o in zip(runs[label], off, strict=False)]
             row[label]["x_off"] = statistics.median(paired) if off else float("nan")
             row[label]["x_off_ci"] = median_ci(paired) if off else [float("nan")] * 2
             row[label]["x_off_full"] = statistics.median(
-                _full_rate(r) / _full_rate(o) for r, o in zip(runs[label], off)
+                _full_rate(r) / _full_rate(o) for r, o in zip(runs[label], off, strict=False)
             ) if off else float("nan")
     bar.close()
     _print_policy_table(results)
@@ -353,7 +362,7 @@ def _policy_run(engine: Engine, conc: int, batch: list[str], params: list[Sampli
     engine.max_num_seqs = conc
     before = engine.stats.as_dict()
     start = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p, sp in zip(batch, params)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(batch, params, strict=False)]
     full_seconds, full_tokens = 0.0, 0
     while engine.has_unfinished():
         clock = time.perf_counter()
@@ -407,7 +416,11 @@ def _print_policy_table(results: dict) -> None:
     for setting, by_conc in results.items():
         for conc, arms in by_conc.items():
             for label, r in arms.items():
-                ratio = r["accepted"] / r["predicted_accepted"] if r["predicted_accepted"] else float("nan")
+                ratio = (
+                    r["accepted"] / r["predicted_accepted"]
+                    if r["predicted_accepted"]
+                    else float("nan")
+                )
                 lo, hi = r["x_off_ci"]
                 print(f"{setting:<6}{conc:>5} {label:<16}{r['tokens_per_s']:>8.1f}"
                       f"{r['x_off']:>7.2f}{f'[{lo:.2f},{hi:.2f}]':>13}"
@@ -425,8 +438,8 @@ def _plot_policies(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 8), squeeze=False)
     rows = (("tokens_per_s", "output tokens/s (whole batch)"),
             ("tokens_per_s_full", "output tokens/s (every slot busy)"))
-    for (metric, ylabel), ax_row in zip(rows, axes):
-        for ax, (setting, by_conc) in zip(ax_row, results.items()):
+    for (metric, ylabel), ax_row in zip(rows, axes, strict=False):
+        for ax, (setting, by_conc) in zip(ax_row, results.items(), strict=False):
             concs = list(by_conc)
             for label in next(iter(by_conc.values())):
                 ax.plot([int(c) for c in concs], [by_conc[c][label][metric] for c in concs],

@@ -212,7 +212,9 @@ def cmd_train_target(a: argparse.Namespace) -> int:
     log = train_lm(a.tokenizer, a.out, cfg)
     if a.log_dir:
         _write_training_log(log, Path(a.log_dir))
-    print(json.dumps({k: log[k] for k in ("preset", "num_params", "held_out_loss", "train_seconds")}))
+    print(
+        json.dumps({k: log[k] for k in ("preset", "num_params", "held_out_loss", "train_seconds")})
+    )
     return 0
 
 
@@ -274,8 +276,16 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         sampled_fraction=a.sampled_fraction, warmup=a.warmup,
     )
     log = train_drafter(a.target, a.out, cfg, resume=not a.no_resume)
-    print(json.dumps({"out": a.out, "train_seconds": log["train_seconds"], "final": log["train"][-1],
-                      "held_out": log["eval"][-1] if log["eval"] else None}))
+    print(
+        json.dumps(
+            {
+                "out": a.out,
+                "train_seconds": log["train_seconds"],
+                "final": log["train"][-1],
+                "held_out": log["eval"][-1] if log["eval"] else None,
+            }
+        )
+    )
     return 0
 
 
@@ -346,10 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposer", choices=["dspark", "draft-model", "ngram"], default="dspark")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--arms", help="comma-separated arm labels (default: all), e.g. 'off,fixed k=7,confidence'")
+    p.add_argument(
+        "--arms", help="comma-separated arm labels (default: all), e.g. 'off,fixed k=7,confidence'"
+    )
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="interleaved rounds per cell (median); 1 and 4 in flight run 4x and 2x as many")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved rounds per cell (median); 1 and 4 in flight run 4x and 2x as many",
+    )
     p.add_argument("--out", default="runs/bench_policies")
     p.add_argument("--trace-dir", help="also write each arm's step trace per cell there "
                    "(summarise with `dspark trace-summary`)")
@@ -404,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-drafter", help="train a DSpark drafter online against its target")
     p.add_argument("--target", required=True, help="target HF directory (with its tokenizer)")
-    p.add_argument("--out", required=True, help="drafter directory (resumable state in OUT/train_state)")
+    p.add_argument(
+        "--out", required=True, help="drafter directory (resumable state in OUT/train_state)"
+    )
     p.add_argument("--steps", type=int, default=850)
     p.add_argument("--batch-size", type=int, default=8, help="token windows per step")
     p.add_argument("--seq-len", type=int, default=256)
@@ -425,14 +443,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this drafter's weights (same shapes; schedule starts afresh)")
     p.set_defaults(fn=cmd_train_drafter)
 
-    p = sub.add_parser("calibrate", help="fit STS temperatures of a DSpark drafter's confidence head")
+    p = sub.add_parser(
+        "calibrate", help="fit STS temperatures of a DSpark drafter's confidence head"
+    )
     p.add_argument("--drafter", required=True)
     p.add_argument("--target", required=True)
-    p.add_argument("--num-windows", type=int, default=768, help="held-out windows per split (x8 blocks)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the blocks")
+    p.add_argument(
+        "--num-windows", type=int, default=768, help="held-out windows per split (x8 blocks)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature of the blocks"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, help="reliability diagram PNG (default DRAFTER/reliability.png)")
-    p.add_argument("--dry-run", action="store_true", help="report only; leave config.json unchanged")
+    p.add_argument(
+        "--plot", default=None, help="reliability diagram PNG (default DRAFTER/reliability.png)"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="report only; leave config.json unchanged"
+    )
     p.set_defaults(fn=cmd_calibrate)
     return parser
 

@@ -35,7 +35,8 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class DraftQuery:
-    """Ask for up to `num_drafts` drafts after `new_token_ids` (committed tokens the worker lacks)."""
+    """Ask for up to `num_drafts` drafts after `new_token_ids` (committed tokens the worker
+    lacks)."""
 
     req_id: str
     new_token_ids: tuple[int, ...]

@@ -66,14 +66,16 @@ class TargetRunner:
         """Run one varlen forward over every request's inputs and decide acceptance."""
         req_ids = list(plan.req_ids)
         q_lens = [len(ids) for ids in plan.input_ids]
-        for r, start, n in zip(req_ids, plan.starts, q_lens):
+        for r, start, n in zip(req_ids, plan.starts, q_lens, strict=True):
             assert self.cache.length(r) == start, (r, self.cache.length(r), start)
             self.cache.reserve(r, start + n)
         meta = self.cache.metadata(req_ids, list(plan.starts), q_lens)
         flat_ids = torch.tensor([t for ids in plan.input_ids for t in ids], device=self.device)
         # Rows that need logits: the anchor and each admitted draft (ℓ_r + 1 per request).
         ends = torch.tensor(q_lens).cumsum(0)
-        rows = [torch.arange(e - l - 1, e) for e, l in zip(ends.tolist(), plan.num_draft)]
+        rows = [
+            torch.arange(e - l - 1, e) for e, l in zip(ends.tolist(), plan.num_draft, strict=True)
+        ]
         out = self.model.forward_paged(
             flat_ids, meta, self.cache, torch.cat(rows).to(self.device), self.hidden_layers
         )
@@ -84,7 +86,7 @@ class TargetRunner:
         starts = (ends - torch.tensor(q_lens)).tolist()
         keep = [
             out.hidden[s : s + n - l + a].cpu()
-            for s, n, l, a in zip(starts, q_lens, plan.num_draft, result.num_accepted)
+            for s, n, l, a in zip(starts, q_lens, plan.num_draft, result.num_accepted, strict=True)
         ]
         return replace(result, hidden=tuple(keep))
 
@@ -92,14 +94,16 @@ class TargetRunner:
         num_rows = [l + 1 for l in plan.num_draft]
         params = [self._params[r] for r in plan.req_ids]
         rep = torch.tensor(num_rows)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64).repeat_interleave(rep)
+        temperature = torch.tensor(
+            [p.temperature for p in params], dtype=torch.float64
+        ).repeat_interleave(rep)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long).repeat_interleave(rep)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64).repeat_interleave(rep)
         target_probs = warp_probs(logits.cpu(), temperature, top_k, top_p)
         max_draft = plan.draft_token_ids.shape[1]
         u_accept = torch.zeros(len(params), max_draft, dtype=torch.float64)
         u_sample = torch.zeros(len(params), dtype=torch.float64)
-        for i, (r, l) in enumerate(zip(plan.req_ids, plan.num_draft)):
+        for i, (r, l) in enumerate(zip(plan.req_ids, plan.num_draft, strict=True)):
             # ℓ_r + 1 float64 uniforms from the request's own generator: the same request draws
             # the same numbers whatever else shares the batch.
             u = torch.rand(l + 1, dtype=torch.float64, generator=self._generators[r])
@@ -113,7 +117,7 @@ class TargetRunner:
         return VerifyResult(
             req_ids=plan.req_ids,
             num_accepted=tuple(accepted),
-            output_tokens=tuple(tuple(t[: a + 1]) for t, a in zip(tokens, accepted)),
+            output_tokens=tuple(tuple(t[: a + 1]) for t, a in zip(tokens, accepted, strict=True)),
         )
 
     def rollback(self, lengths: dict[str, int]) -> None:

@@ -21,7 +21,7 @@ def step_of(req_ids, planned, accepted, finished: bool = False) -> StepState:
     reason = "length" if finished else None
     return StepState(0, sum(planned), tuple(
         RequestStep(r, p, p, a, (1,) * (a + 1), 10, reason)
-        for r, p, a in zip(req_ids, planned, accepted)))
+        for r, p, a in zip(req_ids, planned, accepted, strict=False)))
 
 
 def skipped_drafts(ids: tuple[str, ...]) -> Drafts:

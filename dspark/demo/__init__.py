@@ -19,10 +19,13 @@ def demo_path(name: str) -> Path:
         raise ValueError(f"demo model {name!r}: choose one of {list(DEMO_MODELS)}")
     path = _ROOT / name
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"demo checkpoint {name!r} missing at {path}; run `dspark train-demo`")
+        raise FileNotFoundError(
+            f"demo checkpoint {name!r} missing at {path}; run `dspark train-demo`"
+        )
     return path
 
 
 def heldout_prompts_path() -> Path:
-    """JSON-lines file of prompts cut from the held-out stdlib files (one {"prompt": ...} a line)."""
+    """JSON-lines file of prompts cut from the held-out stdlib files (one {"prompt": ...} a
+    line)."""
     return _ROOT / "heldout_prompts.jsonl"

@@ -37,7 +37,9 @@ def load_model(
     config = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = DecoderLM(config)
-    state = {k: v for k, v in read_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    state = {
+        k: v for k, v in read_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")
+    }
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, strict=True, assign=True)
@@ -51,7 +53,10 @@ def load_model(
 
 
 def save_model(
-    model: DecoderLM, raw_config: dict[str, Any], path: str | Path, dtype: torch.dtype = torch.bfloat16
+    model: DecoderLM,
+    raw_config: dict[str, Any],
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """Write `config.json` and `model.safetensors` loadable by transformers' Auto classes."""
     path = Path(path)

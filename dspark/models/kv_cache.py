@@ -17,7 +17,8 @@ class CacheFullError(RuntimeError):
 
 
 class PagedKVCache:
-    """Keys and values for every layer, `[num_layers, num_blocks, block_size, kv_heads, head_dim]`."""
+    """Keys and values for every layer:
+    `[num_layers, num_blocks, block_size, kv_heads, head_dim]`."""
 
     def __init__(
         self,
@@ -62,7 +63,8 @@ class PagedKVCache:
 
     # --- verbs --------------------------------------------------------------------------
     def reserve(self, req_id: str, new_length: int) -> None:
-        """Make room for positions up to `new_length`; the length becomes max(length, new_length)."""
+        """Make room for positions up to `new_length`; the length becomes
+        max(length, new_length)."""
         need = self.blocks_needed(req_id, new_length)
         if need > len(self._free):
             raise CacheFullError(f"request {req_id} needs {need} blocks, {len(self._free)} free")
@@ -108,9 +110,11 @@ class PagedKVCache:
         Call after `reserve(req_id, start + q_len)` for each request.
         """
         device = self.k.device
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens)])
-        slots = torch.cat([self.slots(r, s, s + n) for r, s, n in zip(req_ids, starts, q_lens)])
-        seq_lens = [s + n for s, n in zip(starts, q_lens)]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens, strict=True)])
+        slots = torch.cat(
+            [self.slots(r, s, s + n) for r, s, n in zip(req_ids, starts, q_lens, strict=True)]
+        )
+        seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(q_lens).cumsum(0)
         return AttentionMetadata(
@@ -125,7 +129,8 @@ class PagedKVCache:
         )
 
     def read(self, req_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the visible positions: each `[num_layers, length, kv_heads, head_dim]`."""
+        """Keys and values of the visible positions: each
+        `[num_layers, length, kv_heads, head_dim]`."""
         slots = self.slots(req_id, 0, self.length(req_id)).to(self.k.device)
         flat_k = self.k.view(self.k.shape[0], -1, *self.k.shape[3:])
         flat_v = self.v.view(self.v.shape[0], -1, *self.v.shape[3:])

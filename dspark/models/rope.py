@@ -9,7 +9,9 @@ import torch
 from dspark.models.config import ModelConfig, RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    rope: RopeConfig, head_dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim // 2], attention_factor) for `rope`.
 
     `dynamic` NTK scaling only changes frequencies beyond `max_position_embeddings`; the engine
@@ -35,7 +37,9 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int) -> tor
     high_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -83,13 +87,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cache: tuple[int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [..., head_dim] for `positions` [...]."""
         # Computed per call in float32 like the reference implementations; tables would round
         # differently from them by an ulp and break parity at 1e-4 only on very long contexts.
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        return (emb.cos() * self.attention_factor).to(dtype), (
+            emb.sin() * self.attention_factor
+        ).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -127,12 +127,20 @@ def train_lm(tokenizer_dir: str | Path, out_dir: str | Path, cfg: TrainConfig) -
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0}],
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0},
+        ],
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(cfg.seed)
-    log: dict[str, Any] = {"preset": cfg.preset, "config": cfg.__dict__, "train_loss": [], "eval": []}
+    log: dict[str, Any] = {
+        "preset": cfg.preset,
+        "config": cfg.__dict__,
+        "train_loss": [],
+        "eval": [],
+    }
     log["num_params"] = sum(p.numel() for p in model.parameters())
     log["train_tokens_available"] = len(train_stream)
     start = time.time()
@@ -141,7 +149,9 @@ def train_lm(tokenizer_dir: str | Path, out_dir: str | Path, cfg: TrainConfig) -
         lr = cfg.lr * _schedule(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, len(train_stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+        starts = torch.randint(
+            0, len(train_stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = lm_loss(model, _windows(train_stream, starts, cfg.seq_len))
         opt.zero_grad(set_to_none=True)
@@ -151,7 +161,9 @@ def train_lm(tokenizer_dir: str | Path, out_dir: str | Path, cfg: TrainConfig) -
         log["train_loss"].append(round(loss.item(), 4))
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            log["eval"].append({"step": step + 1, "held_out_loss": held_out_loss(model, eval_stream, cfg)})
+            log["eval"].append(
+                {"step": step + 1, "held_out_loss": held_out_loss(model, eval_stream, cfg)}
+            )
     log["train_seconds"] = round(time.time() - start, 1)
     log["held_out_loss"] = log["eval"][-1]["held_out_loss"]
     out = Path(out_dir)

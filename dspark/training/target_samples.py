@@ -38,17 +38,17 @@ def sample_continuations(
         for first in range(0, num, batch):
             rows = list(range(first, min(num, first + batch)))
             ids = tuple(f"s{i}" for i in rows)
-            for i, r in zip(rows, ids):
+            for i, r in zip(rows, ids, strict=False):
                 runner.add_request(NewRequest(r, tuple(prompts[i].tolist()), params, seed + i))
             length = prompt_len
-            pending = {r: tuple(prompts[i].tolist()) for i, r in zip(rows, ids)}
+            pending = {r: tuple(prompts[i].tolist()) for i, r in zip(rows, ids, strict=False)}
             starts = {r: 0 for r in ids}
             for _ in range(new_tokens):
                 plan = VerifyPlan(ids, tuple(starts[r] for r in ids),
                                   tuple(pending[r] for r in ids), (0,) * len(ids),
                                   torch.zeros(len(ids), 0, dtype=torch.long), None, 0)
                 result = runner.verify(plan)
-                for i, r, toks in zip(rows, ids, result.output_tokens):
+                for i, r, toks in zip(rows, ids, result.output_tokens, strict=False):
                     out[i, length] = toks[0]
                     starts[r] += len(pending[r])
                     pending[r] = toks

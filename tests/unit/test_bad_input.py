@@ -54,7 +54,9 @@ def test_bad_requests_mid_run_leave_others_untouched(engine: Engine, tiny_pair) 
 def test_generation_stops_at_the_context_limit(tiny_pair) -> None:
     target, drafter = tiny_pair
     engine = Engine(target, proposer="draft-model", drafter=drafter, policy="fixed", k=7)
-    out = engine.generate([[7] * 500], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    out = engine.generate(
+        [[7] * 500], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )[0]
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 512 - 500
 

@@ -74,7 +74,9 @@ def fresh_prefill(model: DecoderLM, tokens: list[int]) -> tuple[torch.Tensor, to
     return cache.read("x")
 
 
-def assert_cache_matches(model: DecoderLM, cache: PagedKVCache, req_id: str, tokens: list[int]) -> None:
+def assert_cache_matches(
+    model: DecoderLM, cache: PagedKVCache, req_id: str, tokens: list[int]
+) -> None:
     n = cache.length(req_id)
     if n == 0:
         return
@@ -107,8 +109,13 @@ def test_caches_equal_fresh_prefill_after_every_step(
     stop_ids = tuple(rng.sample(range(4096), 60))
     for _ in range(num_requests):
         prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(1, 20))]
-        params = SamplingParams(temperature=temperature, max_tokens=rng.randint(1, 30),
-                                stop_token_ids=stop_ids, ignore_eos=ignore_eos, seed=rng.randrange(1000))
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=rng.randint(1, 30),
+            stop_token_ids=stop_ids,
+            ignore_eos=ignore_eos,
+            seed=rng.randrange(1000),
+        )
         engine.add_request(prompt, params)
     steps = 0
     while engine.has_unfinished():

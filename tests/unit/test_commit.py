@@ -22,7 +22,9 @@ def run(req: Request, drafted: int, planned: int, accepted: int, tokens: tuple[i
     plan = VerifyPlan((req.req_id,), (req.target_length,), ((1,),), (planned,),
                       torch.full((1, planned), 5), None, planned)
     result = VerifyResult((req.req_id,), (accepted,), (tokens,))
-    return commit(1, {req.req_id: req}, drafts, plan, result, frozenset({EOS}), max_len, detok).requests[0]
+    return commit(
+        1, {req.req_id: req}, drafts, plan, result, frozenset({EOS}), max_len, detok
+    ).requests[0]
 
 
 def new(params: SamplingParams, prompt=(1, 2, 3)) -> Request:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dspark.demo import demo_path
-
-CAUSAL_LMS = ("target", "draft-model")  # the DSpark drafter has its own tests
 from dspark.models.checkpoint import load_model
 from dspark.models.tokenizer import Tokenizer
+
+CAUSAL_LMS = ("target", "draft-model")  # the DSpark drafter has its own tests
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,9 @@ def test_sizes_and_costs() -> None:
     assert total < 40 * 2**20, f"shipped weights take {total / 2**20:.1f} MiB"
     target = sum(p.numel() for p in load_model(demo_path("target")).parameters())
     assert 5e6 <= target <= 20e6
-    ratio = matmul_params_per_token(demo_path("draft-model")) / matmul_params_per_token(demo_path("target"))
+    ratio = matmul_params_per_token(demo_path("draft-model")) / matmul_params_per_token(
+        demo_path("target")
+    )
     assert ratio <= 0.25, f"draft model costs {ratio:.2f} of the target per token"
 
 

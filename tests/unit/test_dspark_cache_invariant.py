@@ -258,8 +258,12 @@ def test_a_requests_drafts_do_not_depend_on_the_batch_it_drafts_in(tiny_dspark) 
         params = SamplingParams(temperature=temperature)
         for i, r in enumerate(ids):
             batched.add_request(NewRequest(r, (), params, seed=i))
-        batched.propose([DraftQuery(r, p, 0, h) for r, p, h in zip(ids, prompts, rows)])
-        together = batched.propose([DraftQuery(r, (), d, None) for r, d in zip(ids, depths)])
+        batched.propose(
+            [DraftQuery(r, p, 0, h) for r, p, h in zip(ids, prompts, rows, strict=False)]
+        )
+        together = batched.propose(
+            [DraftQuery(r, (), d, None) for r, d in zip(ids, depths, strict=False)]
+        )
         for i, r in enumerate(ids):
             alone = DSparkProposer(drafter, target, num_blocks=64, block_size=4)
             alone.add_request(NewRequest(r, (), params, seed=i))

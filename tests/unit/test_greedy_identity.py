@@ -34,7 +34,9 @@ def test_greedy_tokens_identical_to_target_alone(prompts, reference, proposer: s
                                                  batch: int) -> None:
     engine = Engine(proposer=proposer, policy="fixed", k=k, max_num_seqs=batch)
     outs = engine.generate(prompts, GREEDY)
-    mismatches = [i for i, (o, r) in enumerate(zip(outs, reference)) if o.token_ids != r]
+    mismatches = [
+        i for i, (o, r) in enumerate(zip(outs, reference, strict=False)) if o.token_ids != r
+    ]
     assert not mismatches, f"prompts {mismatches} differ from target-only greedy"
     # The test must exercise speculation, not only plain decoding.
     assert sum(o.stats["accepted_tokens"] for o in outs) > 0
@@ -59,7 +61,9 @@ def test_plain_decoding_equals_transformers_greedy(prompts: list[str]) -> None:
 
 @pytest.mark.parametrize("policy", ["equal", "confidence-sync", "confidence"])
 @pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
-def test_scheduled_policies_keep_greedy_identity(prompts, reference, proposer: str, policy: str) -> None:
+def test_scheduled_policies_keep_greedy_identity(
+    prompts, reference, proposer: str, policy: str
+) -> None:
     # A cost model where verifying is cheap relative to a pass, so budgets vary across steps.
     cost = CostModel.linear(3e-3, 1e-4)
     engine = Engine(proposer=proposer, policy=policy, k=7, max_num_seqs=8, cost_model=cost)

@@ -5,9 +5,10 @@ size, monotone, positive, persisted and reloaded exactly, scratch requests relea
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
-import torch
 
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.profiler import (
@@ -38,7 +39,7 @@ def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(wor
         table = getattr(cost, name)
         assert len(table) == (12 if name in VERIFY_TABLES else 5), name
         assert all(t > 0 for t in table) or name in ("draft", "draft_sampled"), name
-        assert all(a <= b for a, b in zip(table, table[1:])), f"{name} is not monotone"
+        assert all(a <= b for a, b in pairwise(table)), f"{name} is not monotone"
     assert cost.meta["method"] == PROFILE_VERSION
     assert cost.catch_up >= 0.0 and cost.catch_up_time(10) == pytest.approx(10 * cost.catch_up)
     assert target.usage() == {"requests": [], "used_blocks": 0}

@@ -14,14 +14,13 @@ was checked to fail with the first seed reused.
 
 from __future__ import annotations
 
-import pytest
+from test_demo_distribution import ALPHA, TOP_K, chi2_pvalue, exact_pair_law
 
 from dspark.coordinator.engine import Engine
 from dspark.faults import WorkerLost
 from dspark.messages import VerifyPlan, VerifyResult
 from dspark.sampling_params import SamplingParams
 from dspark.target_worker.runner import TargetRunner
-from test_demo_distribution import ALPHA, TOP_K, chi2_pvalue, exact_pair_law
 
 N = 2000
 PROMPT = "def "
@@ -39,7 +38,9 @@ class FlakyTarget:
         return getattr(self.runner, name)
 
     def verify(self, plan: VerifyPlan) -> VerifyResult:
-        due = {r for r, start in zip(plan.req_ids, plan.starts) if start > 0} - self.rebuilt
+        due = {
+            r for r, start in zip(plan.req_ids, plan.starts, strict=False) if start > 0
+        } - self.rebuilt
         if due:
             self.rebuilt |= set(plan.req_ids)
             raise WorkerLost("injected: a rank died")

@@ -8,7 +8,10 @@ from dspark.sampling_params import SamplingParams
     ("kwargs", "message"),
     [
         ({"temperature": -0.1}, "SamplingParams.temperature=-0.1: must be 0 (greedy) or a finite"),
-        ({"temperature": 1e-9}, "SamplingParams.temperature=1e-09: must be 0 (greedy) or a finite number >= 1e-06"),
+        (
+            {"temperature": 1e-9},
+            "SamplingParams.temperature=1e-09: must be 0 (greedy) or a finite number >= 1e-06",
+        ),
         ({"temperature": float("nan")}, "SamplingParams.temperature=nan"),
         ({"top_p": 0.0}, "SamplingParams.top_p=0.0: must be in (0, 1]"),
         ({"top_p": 1.5}, "SamplingParams.top_p=1.5: must be in (0, 1]"),
@@ -41,4 +44,6 @@ def test_smallest_temperature_is_accepted_and_samples_a_real_distribution() -> N
     logits = torch.randn(3, 4096) * 20  # the tempered logits reach ~1e8 in float64
     probs = warp_probs(logits, torch.full((3,), MIN_TEMPERATURE, dtype=torch.float64),
                        torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.float64))
-    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3, dtype=torch.float64))
+    assert torch.isfinite(probs).all() and torch.allclose(
+        probs.sum(-1), torch.ones(3, dtype=torch.float64)
+    )

@@ -4,6 +4,8 @@ test_exploration.py."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import torch
@@ -180,7 +182,7 @@ def test_monotone_fit_pools_outliers_instead_of_propagating_them() -> None:
     from dspark.coordinator.cost_model import monotone
 
     fit = monotone([5.0, 1.0, 1.0, 1.0, 2.0, 3.0])
-    assert all(a <= b for a, b in zip(fit, fit[1:]))
+    assert all(a <= b for a, b in pairwise(fit))
     assert fit[-1] == 3.0 and fit[0] == 2.0  # the spike pools with its neighbours
 
 
@@ -191,7 +193,7 @@ def test_timed_sizes_are_smoothed_so_no_size_looks_free() -> None:
     grid = list(range(1, 17)) + list(range(24, 129, 8))
     noisy = [4.0 + 0.25 * g + rng.normal(0, 0.3) for g in grid]  # a CPU: ~linear, noisy
     pooled = monotone(noisy)
-    assert any(b - a < 1e-12 for a, b in zip(pooled[:16], pooled[1:16]))  # "free" sizes
+    assert any(b - a < 1e-12 for a, b in pairwise(pooled[:16]))  # "free" sizes
     smooth = monotone(smooth_profile(grid, noisy, 16))
     steps = np.diff(smooth[:16])
     assert (steps > 0.1).all() and abs(steps.mean() - 0.25) < 0.05  # no size for free
@@ -425,7 +427,7 @@ def test_an_idle_batch_plans_again_only_when_its_inputs_change() -> None:
     assert reference.planned_at == list(range(1, steps + 1))
     idle = [s for s in cached.planned_at if s < resumed]
     assert len(idle) < resumed // 3  # an idle batch seldom plans again ...
-    gaps = [b - a for a, b in zip(idle, idle[1:])]
+    gaps = [b - a for a, b in pairwise(idle)]
     assert max(gaps) <= PROBE_EVERY  # ... but reads the step-time fit again at least this often
     assert joins in cached.planned_at  # ... and plans for a new batch
     for p in probes:  # ... and when a probe's rows become readable
@@ -552,5 +554,5 @@ def test_an_idle_batch_with_tracked_rates_plans_again_only_when_they_move() -> N
     assert all(budgets[s] == 0 for s in range(1, easy + 2)) and budgets[easy + 2] > 0
     idle = [s for s in cached.planned_at if s < easy]
     assert len(idle) < easy // 4  # an idle batch seldom plans again ...
-    assert max(b - a for a, b in zip(idle, idle[1:])) <= PROBE_EVERY  # ... at least this often
+    assert max(b - a for a, b in pairwise(idle)) <= PROBE_EVERY  # ... at least this often
     assert joins in cached.planned_at and easy in cached.planned_at  # ... and when inputs move

@@ -216,8 +216,7 @@ def test_a_block_drafters_round_is_charged_as_the_policies_price_it() -> None:
     # policies priced a forward per position (a roofline without `draft_first`), so simulated
     # `confidence` cut its blocks short where a deeper one was nearly free (0.78-0.89x fixed
     # k = 7 at 1-16 users on an H200).
-    from dspark.coordinator.sim.hardware import (DRAFT_DSPARK, GPUS, forward_time,
-                                                 markov_step_time)
+    from dspark.coordinator.sim.hardware import DRAFT_DSPARK, GPUS, forward_time, markov_step_time
 
     cost = roofline_cost("h200", block_size=7)
     first, each = cost.draft_costs(16)

@@ -33,7 +33,7 @@ def test_candidate_step_times_equal_the_fit_applied_to_each() -> None:
             drafting = np.where(depths > 0, first + (depths - 1) * each, 0.0)
             further = np.maximum(depths - 1, 0) * each
             expected = [fit.apply(float(v), float(d), num_reqs, cold, float(f), bool(n > 0))
-                        for v, d, f, n in zip(verify, drafting, further, depths)]
+                        for v, d, f, n in zip(verify, drafting, further, depths, strict=False)]
             got = fit.candidate_times(verify, depths, first, each, num_reqs, cold)
             assert got.tolist() == pytest.approx(expected)
 

@@ -33,7 +33,9 @@ def test_expected_acceptance_allocation_beats_equal() -> None:
     assert expected_accepted((1, 2)) == pytest.approx(1.62)
     assert expected_accepted((1, 1)) == pytest.approx(1.50)
     assert expected_accepted((3, 0)) == pytest.approx(1.836)
-    best = max((a for a in itertools.product(range(4), repeat=2) if sum(a) == 3), key=expected_accepted)
+    best = max(
+        (a for a in itertools.product(range(4), repeat=2) if sum(a) == 3), key=expected_accepted
+    )
     assert best == (2, 1)
 
 
@@ -53,7 +55,9 @@ def test_policies_plan_the_example() -> None:
     ("r2", 1, (201, 503), 2),
     ("r2", 0, (504,), 1),
 ])
-def test_state_corrections(name: str, accepted: int, tokens: tuple[int, ...], length_gain: int) -> None:
+def test_state_corrections(
+    name: str, accepted: int, tokens: tuple[int, ...], length_gain: int
+) -> None:
     planned = 2 if name == "r1" else 1
     req = Request(name, tuple(range(1, 11)), SamplingParams(max_tokens=50), seed=0)
     req.output_ids = [7]  # a running request: its anchor t_r = 7 is not yet in the target cache
