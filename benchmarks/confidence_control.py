@@ -7,8 +7,8 @@ The control arm is `confidence` with every plan forced to whole blocks (K = ever
 slot, the round γ deep): it still reads stale rows, prices steps, corrects drift, fits step
 times and measures K = 0 now and then, so `confidence` × control is the value of the budget's
 decisions alone, and control × fixed k the cost of its work. The arms run the same closed
-batches (`dspark.bench.round_workload`), one run each a round, in a rotated order, after the
-same warm-up as `dspark bench-policies`; ratios are medians of per-round paired ratios with
+batches in the same interleaved rounds as `dspark bench-policies`, after its warm-up
+(`dspark.bench.interleaved_runs`, `warm_up`); ratios are medians of per-round paired ratios with
 95% bootstrap intervals. Each arm's step trace is written to `--out` (`dspark trace-summary`
 splits it by budget). docs/scheduler.md, "What the budget's choices are worth at low
 concurrency", has the figures.
@@ -25,18 +25,17 @@ import torch
 from tqdm import tqdm
 
 from dspark.bench import (
-    WARMUP_REQUESTS,
-    _policy_run,
     _rate,
     heldout_prompts_path,
+    interleaved_runs,
     load_prompts,
     median_ci,
-    round_workload,
+    trace_name,
+    warm_up,
 )
 from dspark.coordinator.engine import Engine
 from dspark.coordinator.scheduler import ConfidencePolicy
 from dspark.coordinator.trace import TraceRecorder
-from dspark.sampling_params import SamplingParams
 
 
 class WholeBlocks(ConfidencePolicy):
@@ -80,25 +79,18 @@ def main() -> None:
                                      max_num_seqs=conc),
     }
     prompts = load_prompts(heldout_prompts_path())
-    warm, served = prompts[-WARMUP_REQUESTS:], prompts[:-WARMUP_REQUESTS]
-    for engine in tqdm(engines.values(), desc="warm-up", unit="engine"):
-        engine.generate(warm, [SamplingParams(temperature=temp, max_tokens=a.max_tokens,
-                                              ignore_eos=True, seed=10_000 + i)
-                               for i in range(len(warm))])
+    served = warm_up(engines, prompts, (temp,), a.max_tokens, conc)
+    for engine in engines.values():
         engine.trace = TraceRecorder(meta={"temperature": temp, "in_flight": conc})
-    labels = list(engines)
-    runs: dict[str, list[dict]] = {label: [] for label in labels}
-    for rep in tqdm(range(a.rounds), desc="rounds", unit="round"):
-        batch, params = round_workload(served, max(2 * conc, 8), rep, temp, a.max_tokens)
-        for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
-            engines[label].max_num_seqs = conc
-            runs[label].append(_policy_run(engines[label], conc, batch, params))
+    bar = tqdm(total=a.rounds * len(engines), desc="rounds", unit="run")
+    runs = interleaved_runs(engines, served, conc, temp, a.max_tokens, a.rounds, bar.update)
+    bar.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for label, engine in engines.items():
         assert engine.trace is not None
-        engine.trace.save(out / f"{label.replace(' ', '-').replace('=', '')}.jsonl")
+        engine.trace.save(out / trace_name(temp, conc, label))
         paired = [_rate(c) / _rate(r) for c, r in zip(runs["confidence"], runs[label],
                                                           strict=True)]
         results[label] = {"tokens_per_s": statistics.median(_rate(r) for r in runs[label]),

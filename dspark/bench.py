@@ -12,6 +12,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,43 +232,26 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
                              max_num_seqs=max(concurrencies))
                for label, policy, k in POLICY_ARMS if arms is None or label in arms}
-    # Warm-up (and the cost-model profile, once per machine): each engine first serves a few
-    # requests at every temperature of the run, so what the scheduler learns online (the
-    # head's drift correction, the step-time fit) is measured in its steady state, as in a
-    # server that has been running, not in its first hundred steps.
-    warm = prompts[-WARMUP_REQUESTS:]
-    for e in tqdm(engines.values(), desc="warm-up", unit="engine"):
-        e.max_num_seqs = max(concurrencies)
-        for temperature in temperatures:
-            e.generate(warm, [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                             ignore_eos=True, seed=10_000 + i)
-                              for i in range(len(warm))])
+    served = warm_up(engines, prompts, temperatures, max_tokens, max(concurrencies))
     results: dict[str, dict] = {}
     cells = [(t, c) for t in temperatures for c in concurrencies]
-    served = prompts[:-WARMUP_REQUESTS]
     bar = tqdm(total=sum(rounds_for(c, repeats) for _, c in cells) * len(engines),
                desc="policies", unit="run")
     for temperature, conc in cells:
-        n = max(2 * conc, 8)
         row = results.setdefault(f"T={temperature:g}", {}).setdefault(str(conc), {})
-        runs: dict[str, list[dict]] = {label: [] for label in engines}
-        labels = list(engines)
         if trace_dir is not None:
             for label, engine in engines.items():
                 engine.trace = TraceRecorder(meta={
                     "proposer": proposer, "arm": label, "temperature": temperature,
                     "in_flight": conc, "max_tokens": max_tokens})
-        for rep in range(rounds_for(conc, repeats)):
-            batch, params = round_workload(served, n, rep, temperature, max_tokens)
-            for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
-                runs[label].append(_policy_run(engines[label], conc, batch, params))
-                bar.update()
+        runs = interleaved_runs(engines, served, conc, temperature, max_tokens,
+                                rounds_for(conc, repeats), bar.update)
         if trace_dir is not None:
             for label, engine in engines.items():
                 assert engine.trace is not None
                 engine.trace.save(trace_dir / trace_name(temperature, conc, label))
                 engine.trace = None
-        for label in labels:
+        for label in engines:
             row[label] = _merge_runs(runs[label])
             # Paired: each round ran every arm once, close in time; the median of the per-round
             # ratios cancels the machine's slow drifts that a ratio of medians keeps.
@@ -286,6 +270,40 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
     return results
+
+
+def warm_up(engines: dict[str, Engine], prompts: list[str], temperatures: tuple[float, ...],
+            max_tokens: int, max_num_seqs: int) -> list[str]:
+    """Each engine serves the last WARMUP_REQUESTS prompts at every temperature of the run
+    (and profiles its cost model, once per machine), so what the scheduler learns online (the
+    head's drift correction, the step-time fit) is measured in its steady state, as in a
+    server that has been running, not in its first hundred steps. Returns the prompts left to
+    serve."""
+    warm = prompts[-WARMUP_REQUESTS:]
+    for e in tqdm(engines.values(), desc="warm-up", unit="engine"):
+        e.max_num_seqs = max_num_seqs
+        for temperature in temperatures:
+            e.generate(warm, [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                             ignore_eos=True, seed=10_000 + i)
+                              for i in range(len(warm))])
+    return prompts[:-WARMUP_REQUESTS]
+
+
+def interleaved_runs(engines: dict[str, Engine], served: list[str], conc: int,
+                     temperature: float, max_tokens: int, rounds: int,
+                     on_run: Callable[[], object] = lambda: None) -> dict[str, list[dict]]:
+    """`rounds` rounds at `conc` in flight; each round serves its own closed batch
+    (`round_workload`) once with every engine, in an order rotated from round to round, so a
+    load spike hits one run of one arm and each round's runs can be compared paired. Returns
+    each engine's runs (`_policy_run`), round by round."""
+    labels = list(engines)
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
+    for rep in range(rounds):
+        batch, params = round_workload(served, max(2 * conc, 8), rep, temperature, max_tokens)
+        for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
+            runs[label].append(_policy_run(engines[label], conc, batch, params))
+            on_run()
+    return runs
 
 
 def trace_name(temperature: float, conc: int, label: str) -> str:
