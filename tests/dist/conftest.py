@@ -1,7 +1,7 @@
 """The distributed tier: one real local Ray instance for the tier, loopback only, few CPUs.
 
-Ray is started once (it takes seconds) and the tensor-parallel target group once (its ranks load
-the demo target); draft pools are started per test. Actors and this process use one intra-op
+Ray is started once (it takes seconds) and the tensor-parallel target group once per module
+(its ranks load the demo target); draft pools are started per test. Actors and this process use one intra-op
 thread each: the CI machine has two cores.
 """
 
@@ -39,9 +39,10 @@ def ray_instance() -> Iterator[None]:
         os.environ["OMP_NUM_THREADS"] = omp
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def target_tp2(ray_instance: None) -> Iterator[TargetGroup]:
-    """The demo target split over two gloo ranks (`target-0`, `target-1`)."""
+    """The demo target split over two gloo ranks (`target-0`, `target-1`). Per module: a test
+    that starts a group of its own (the same actor names) runs where this one is not up."""
     group = build_target_group(demo_path("target"), tp=2, num_blocks=NUM_BLOCKS)
     yield group
     shutdown((group, None))

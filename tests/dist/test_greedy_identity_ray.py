@@ -29,6 +29,31 @@ def reference(prompts: list[str]) -> list[tuple[int, ...]]:
     return [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
 
+# First in this module: it starts its own tp = 2 group under the same actor names as
+# `target_tp2` (module-scoped), which the next test starts.
+def test_dspark_over_ray_greedy_identical_to_in_process_engine(ray_instance, prompts,
+                                                                reference) -> None:
+    """The default deployment: DSpark draft actors fed the target's hidden rows by a tp = 2
+    group that returns them (layers gathered across ranks)."""
+    from dspark.coordinator.ray_workers import build_ray_workers
+
+    target, pool = build_ray_workers(demo_path("target"), "dspark", tp=2, num_draft_actors=2,
+                                     num_blocks=NUM_BLOCKS)
+    try:
+        assert pool.hidden_layers == (1, 3, 5)
+        engine = Engine(proposer="dspark", policy="fixed", k=7, max_num_seqs=8,
+                        num_blocks=NUM_BLOCKS, workers=(target, pool))
+        outs = engine.generate(prompts, GREEDY)
+        mismatches = [i for i, (o, r) in enumerate(zip(outs, reference, strict=True))
+                      if o.token_ids != r]
+        assert not mismatches, f"prompts {mismatches} differ from the in-process engine"
+        assert engine.stats.accepted_tokens > engine.stats.steps  # more than one per pass
+        digests = target.decision_digests()
+        assert digests[0] == digests[1]
+    finally:
+        shutdown((target, pool))
+
+
 @pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
 def test_tp2_greedy_identical_to_in_process_engine(target_tp2, prompts, reference,
                                                    proposer: str) -> None:
@@ -54,26 +79,3 @@ def test_tp2_greedy_identical_to_in_process_engine(target_tp2, prompts, referenc
     digests = target_tp2.decision_digests()
     assert digests[0] == digests[1]
     assert digests[0][0] - digests_before[0][0] == engine.stats.steps
-
-
-def test_dspark_over_ray_greedy_identical_to_in_process_engine(ray_instance, prompts,
-                                                                reference) -> None:
-    """The default deployment: DSpark draft actors fed the target's hidden rows by a tp = 2
-    group that returns them (layers gathered across ranks)."""
-    from dspark.coordinator.ray_workers import build_ray_workers
-
-    target, pool = build_ray_workers(demo_path("target"), "dspark", tp=2, num_draft_actors=2,
-                                     num_blocks=NUM_BLOCKS)
-    try:
-        assert pool.hidden_layers == (1, 3, 5)
-        engine = Engine(proposer="dspark", policy="fixed", k=7, max_num_seqs=8,
-                        num_blocks=NUM_BLOCKS, workers=(target, pool))
-        outs = engine.generate(prompts, GREEDY)
-        mismatches = [i for i, (o, r) in enumerate(zip(outs, reference, strict=True))
-                      if o.token_ids != r]
-        assert not mismatches, f"prompts {mismatches} differ from the in-process engine"
-        assert engine.stats.accepted_tokens > engine.stats.steps  # more than one per pass
-        digests = target.decision_digests()
-        assert digests[0] == digests[1]
-    finally:
-        shutdown((target, pool))
