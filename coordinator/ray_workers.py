@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dspark import tensor_wire
 from dspark.demo import demo_path
 from dspark.draft_worker.actor import (
     NAMESPACE,
@@ -53,10 +54,11 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     """Join the Ray cluster at `address`, or start a local loopback-only instance (None).
 
     Returns True when this call started or joined Ray, False when Ray was already initialised
-    in this process (then nothing changes).
+    in this process (then only the tensor transport is installed).
     """
     loaded = sys.modules.get("ray")
     if loaded is not None and loaded.is_initialized():
+        tensor_wire.install()
         return False
     if address is None:
         # Ray picks the node's routable address unless told the node is alone; it reads this
@@ -76,6 +78,7 @@ def connect(address: str | None = None, num_cpus: int | None = None,
         )
     else:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    tensor_wire.install()
     return True
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dspark import tensor_wire
 from dspark.faults import first_line
 from dspark.messages import DraftQuery, Drafts, NewRequest
 
@@ -96,6 +97,7 @@ class DraftActor:
         num_threads: int = 1,
     ) -> None:
         torch.set_num_threads(num_threads)
+        tensor_wire.install()  # this actor's results carry tensors as raw bytes
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.proposer = make_proposer(
             proposer, drafter_dir, target_dir, num_blocks, block_size, dtype, device

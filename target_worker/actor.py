@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dspark import tensor_wire
 from dspark.faults import WorkerLost, WorkersUnavailable, first_line
 from dspark.messages import NewRequest, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
@@ -60,6 +61,7 @@ class TargetActor:
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1) -> None:
         torch.set_num_threads(num_threads)
+        tensor_wire.install()  # this actor's results carry tensors as raw bytes
         self.rank, self.world_size = rank, world_size
         self.runner: Any = None  # TargetRunner (tp = 1) or TPTargetRunner
         self._busy = {"calls": 0, "seconds": 0.0}  # time inside `step`, for the transport cost
