@@ -7,9 +7,9 @@ holds: it speaks the `Proposer` verbs and routes requests M:N over the actors, s
 
 - `add_request` assigns the request to the least-loaded actor (ties: the lowest index) in the
   `RoutingTable`, the one place that maps requests to actors;
-- `commit` and `release` are queued per actor and travel with that actor's next `propose` call;
-  Ray runs one caller's calls to an actor in order, so every actor sees its verbs in the
-  coordinator's order;
+- `commit` and `release` are queued per actor and travel with that actor's next `propose` call
+  that drafts (or once MAX_QUEUED_VERBS wait, or on `flush`); Ray runs one caller's calls to an
+  actor in order, so every actor sees its verbs in the coordinator's order;
 - `propose` sends each actor its queries (and queued verbs) concurrently, waits for all, and
   merges the per-actor `Drafts` into one batch in the query order.
 
@@ -45,6 +45,10 @@ PROPOSER_NAMES = ("draft-model", "ngram", "dspark", "none")
 
 # A queued verb: ("add_request", NewRequest) | ("commit", (req_id, A)) | ("release", req_id)
 Op = tuple[str, Any]
+# Verbs wait for the actor's next drafting call, unless this many are queued: an actor whose
+# requests do not draft (policy `off`, or K = 0 for a stretch) gets commits every step, and
+# one call per step for them alone cost ~1-3 ms on the demo service.
+MAX_QUEUED_VERBS = 64
 
 
 def draft_actor_name(index: int) -> str:
@@ -262,12 +266,15 @@ class DraftPool:
         for i, q in enumerate(queries):
             if q.req_id in self._lost:
                 self.faults["undrafted_rows"] += 1
-            else:
+            elif q.num_drafts:
+                # A query for no drafts carries nothing (`Engine.step` holds its tokens back), so
+                # it gets no call: an idle step then costs no Ray call at all, ~1-3 ms a call on
+                # the 2-core demo service, where a step takes ~20 ms.
                 per_actor.setdefault(self.routes.actor_of(q.req_id), []).append(i)
         calls: list[tuple[int, Any]] = []
         for a, actor in enumerate(self.actors):
             rows = per_actor.get(a)
-            if a in self._down or (rows is None and not self._ops[a]):
+            if a in self._down or (rows is None and len(self._ops[a]) < MAX_QUEUED_VERBS):
                 continue
             ops, self._ops[a] = self._ops[a], []
             sub = None if rows is None else [queries[i] for i in rows]
@@ -282,7 +289,7 @@ class DraftPool:
                 continue
             if d is not None:
                 parts.append((per_actor[a], d))
-        merged = merge_drafts(tuple(q.req_id for q in queries), parts)
+        merged = merge_drafts(tuple(q.req_id for q in queries), parts, self.has_confidence_head)
         self.timing["propose_calls"] += 1
         self.timing["propose_seconds"] += time.perf_counter() - start
         return merged
@@ -327,7 +334,8 @@ class DraftPool:
         return [a for a in range(len(self.actors)) if a not in self._down]
 
     def flush(self) -> None:
-        """Send the queued verbs now (they otherwise travel with the next `propose`)."""
+        """Send the queued verbs now (they otherwise travel with the next `propose` that drafts
+        on their actor)."""
         import ray
 
         refs = []
@@ -360,11 +368,15 @@ class DraftPool:
         return ray.get([a.requests.remote() for a in self.actors])
 
 
-def merge_drafts(req_ids: tuple[str, ...], parts: Sequence[tuple[Sequence[int], Drafts]]) -> Drafts:
-    """One `Drafts` in `req_ids` order from per-actor `Drafts` (part rows land at `positions`).
+def merge_drafts(req_ids: tuple[str, ...], parts: Sequence[tuple[Sequence[int], Drafts]],
+                 with_confidences: bool) -> Drafts:
+    """One `Drafts` in `req_ids` order from per-actor `Drafts` (part rows land at `positions`;
+    requests in no part get no drafts).
 
     Padding follows `Drafts`: token ids -1, q zero past each row's drafts. A part without q
     (`probs=None`: deterministic drafts) gets one-hot rows at its tokens when another part has q.
+    `with_confidences`: the proposer has a confidence head, so the batch carries confidences
+    (zeros past each row's drafts) as an in-process proposer's would, even with no part.
     """
     n = len(req_ids)
     width = max((d.token_ids.shape[1] for _, d in parts), default=0)
@@ -372,12 +384,10 @@ def merge_drafts(req_ids: tuple[str, ...], parts: Sequence[tuple[Sequence[int], 
     num_drafts = torch.zeros(n, dtype=torch.long)  # [num_reqs]
     vocab = next((d.probs.shape[2] for _, d in parts if d.probs is not None), None)
     probs = None if vocab is None else torch.zeros(n, width, vocab, dtype=torch.float64)
-    with_conf = [d.confidences is not None for _, d in parts]
-    assert all(with_conf) or not any(with_conf), "draft actors disagree on confidences"
-    confidences = None
-    first_conf = parts[0][1].confidences if parts else None
-    if first_conf is not None:
-        confidences = torch.zeros(n, width, dtype=first_conf.dtype)
+    assert all((d.confidences is not None) == with_confidences for _, d in parts), (
+        "a draft actor disagrees on confidences")
+    # [num_reqs, max_draft]
+    confidences = torch.zeros(n, width, dtype=torch.float64) if with_confidences else None
     for positions, d in parts:
         rows = torch.tensor(list(positions), dtype=torch.long)
         assert tuple(req_ids[i] for i in positions) == d.req_ids, "actor answered other requests"

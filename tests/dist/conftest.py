@@ -1,8 +1,8 @@
 """The distributed tier: one real local Ray instance for the tier, loopback only, few CPUs.
 
 Ray is started once (it takes seconds) and the tensor-parallel target group once per module
-(its ranks load the demo target); draft pools are started per test. Actors and this process use one intra-op
-thread each: the CI machine has two cores.
+(its ranks load the demo target); draft pools are started per test. Actors and this process use
+one intra-op thread each: the CI machine has two cores.
 """
 
 from __future__ import annotations

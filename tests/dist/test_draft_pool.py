@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from dspark.coordinator.ray_workers import build_draft_pool, shutdown
-from dspark.draft_worker.actor import RoutingTable, draft_actor_name, merge_drafts
+from dspark.draft_worker.actor import (
+    MAX_QUEUED_VERBS,
+    RoutingTable,
+    draft_actor_name,
+    merge_drafts,
+)
 from dspark.draft_worker.ngram import NgramProposer
 from dspark.messages import DraftQuery, Drafts, NewRequest
 from dspark.sampling_params import SamplingParams
@@ -85,10 +90,63 @@ def test_merge_fills_one_hot_q_for_parts_without_probs() -> None:
     sampled = Drafts(("b",), torch.tensor([[2, 4, 1]]), torch.tensor([3]),
                      torch.full((1, 3, vocab), 0.2, dtype=torch.float64), None)
     deterministic = Drafts(("a", "c"), torch.tensor([[3], [-1]]), torch.tensor([1, 0]), None, None)
-    merged = merge_drafts(("a", "b", "c"), [([1], sampled), ([0, 2], deterministic)])
+    merged = merge_drafts(("a", "b", "c"), [([1], sampled), ([0, 2], deterministic)], False)
     assert merged.token_ids.tolist() == [[3, -1, -1], [2, 4, 1], [-1, -1, -1]]
     assert merged.num_drafts.tolist() == [1, 3, 0]
     assert merged.probs is not None and merged.confidences is None
     assert merged.probs[0, 0].tolist() == [0, 0, 0, 1, 0]  # deterministic draft: q one-hot
     assert merged.probs[0, 1:].abs().sum() == 0 and merged.probs[2].abs().sum() == 0
     assert torch.equal(merged.probs[1], sampled.probs[0])
+
+
+def test_idle_queries_make_no_call_and_verbs_wait_for_one(ray_instance) -> None:
+    """A step that drafts nothing calls no actor; queued verbs travel with the next drafting
+    call, or on their own once MAX_QUEUED_VERBS wait, and arrive in order."""
+    pool = build_draft_pool("ngram", num_actors=2)
+    local = NgramProposer()
+
+    def calls() -> list[int]:
+        return [int(b["calls"]) for b in pool.busy()]
+
+    try:
+        for i in range(4):
+            pool.add_request(_new(i))
+            local.add_request(_new(i))
+        owner = [pool.routes.actor_of(f"r{i}") for i in range(4)]
+        idle = [DraftQuery(f"r{i}", (), 0) for i in range(4)]
+        before = calls()
+        for _ in range(3):
+            got = pool.propose(idle)
+            assert got.num_drafts.tolist() == [0] * 4 and got.token_ids.shape == (4, 0)
+            for i in range(4):
+                pool.commit(f"r{i}", 0)
+        assert calls() == before  # 3 idle steps, 12 commits and 4 additions queued: no call
+        # Only r0 drafts: only its actor is called, with its queue (the additions first).
+        hist = _histories(1)[0]
+        queries = [DraftQuery("r0", tuple(hist), 3)] + idle[1:]
+        got, want = pool.propose(queries), local.propose(queries)
+        assert torch.equal(got.token_ids, want.token_ids) and got.num_drafts.tolist()[1:] == [0] * 3
+        called = [c - b for c, b in zip(calls(), before, strict=True)]
+        assert called[owner[0]] == 1 and called[1 - owner[0]] == 0
+        # An actor that never drafts gets its verbs once MAX_QUEUED_VERBS wait.
+        quiet = 1 - owner[0]
+        mine = [f"r{i}" for i in range(4) if owner[i] == quiet]
+        before, waiting = calls(), len(pool._ops[quiet])  # its additions and commits so far
+        steps = 2 * MAX_QUEUED_VERBS // len(mine) + 1
+        for _ in range(steps):
+            pool.propose(idle)
+            for r in mine:
+                pool.commit(r, 0)
+        sent = calls()[quiet] - before[quiet]
+        assert sent == (waiting + steps * len(mine)) // MAX_QUEUED_VERBS >= 2
+        pool.release(mine[0])
+        assert mine[0] not in pool.actor_requests()[quiet]["held"]  # flushed, in order
+    finally:
+        shutdown((None, pool))
+
+
+def test_merge_without_parts_keeps_a_confidence_head_s_shape() -> None:
+    merged = merge_drafts(("a", "b"), [], True)
+    assert merged.num_drafts.tolist() == [0, 0] and merged.token_ids.shape == (2, 0)
+    assert merged.confidences is not None and merged.confidences.shape == (2, 0)
+    assert merge_drafts(("a", "b"), [], False).confidences is None
