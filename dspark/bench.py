@@ -203,7 +203,8 @@ POLICY_ARMS = (
 def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
                      out_dir: Path = Path("runs/bench_policies"), repeats: int = 3,
-                     arms: tuple[str, ...] | None = None, trace_dir: Path | None = None) -> dict:
+                     arms: tuple[str, ...] | None = None, trace_dir: Path | None = None,
+                     workers: tuple | None = None) -> dict:
     """Policies side by side at several numbers of requests in flight (closed loop).
 
     Requests ask for `max_tokens` on average, each drawn (seeded, the same for every arm) from
@@ -223,14 +224,17 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
 
     With `trace_dir`, each arm's steps in each cell (warm-up excluded) are also written there as
     a step trace, `T<t>_c<in flight>_<arm>.jsonl` (`coordinator/trace.py`; summarised by
-    `dspark trace-summary`): where an arm trails, its trace says in which steps."""
+    `dspark trace-summary`): where an arm trails, its trace says in which steps.
+
+    With `workers` (`build_ray_workers`' pools, of `proposer`), every arm runs over them, one
+    after another: the service's path, Ray calls included. `off` then keeps the drafter idle."""
     labels = [label for label, _, _ in POLICY_ARMS]
     unknown = sorted(set(arms or ()) - set(labels))
     if unknown:
         raise ValueError(f"arms={unknown}: choose from {labels}")
     prompts = load_prompts(heldout_prompts_path())
     engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
-                             max_num_seqs=max(concurrencies))
+                             max_num_seqs=max(concurrencies), workers=workers)
                for label, policy, k in POLICY_ARMS if arms is None or label in arms}
     served = warm_up(engines, prompts, temperatures, max_tokens, max(concurrencies))
     results: dict[str, dict] = {}

@@ -164,9 +164,19 @@ def cmd_bench_policies(a: argparse.Namespace) -> int:
     concs = tuple(int(c) for c in a.concurrency.split(","))
     temps = tuple(float(t) for t in a.temperatures.split(","))
     arms = tuple(a.arms.split(",")) if a.arms else None
-    run_policy_bench(proposer=a.proposer, concurrencies=concs, temperatures=temps,
-                     max_tokens=a.max_tokens, out_dir=Path(a.out), repeats=a.repeats, arms=arms,
-                     trace_dir=Path(a.trace_dir) if a.trace_dir else None)
+    workers = None
+    if a.draft_actors:
+        from dspark.coordinator.ray_workers import build_ray_workers, shutdown
+
+        workers = build_ray_workers(proposer=a.proposer, num_draft_actors=a.draft_actors)
+    try:
+        run_policy_bench(proposer=a.proposer, concurrencies=concs, temperatures=temps,
+                         max_tokens=a.max_tokens, out_dir=Path(a.out), repeats=a.repeats,
+                         arms=arms, trace_dir=Path(a.trace_dir) if a.trace_dir else None,
+                         workers=workers)
+    finally:
+        if workers is not None:
+            shutdown(workers, stop_ray=True)
     return 0
 
 
@@ -369,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench_policies")
     p.add_argument("--trace-dir", help="also write each arm's step trace per cell there "
                    "(summarise with `dspark trace-summary`)")
+    p.add_argument("--draft-actors", type=int, default=0,
+                   help="run every arm over Ray worker pools (a local instance: a tp = 1 target "
+                   "group and this many draft actors, shared by the arms); 0: in process")
     p.set_defaults(fn=cmd_bench_policies)
 
     p = sub.add_parser("trace-summary",

@@ -1,0 +1,26 @@
+"""`dspark bench-policies --draft-actors N`: every arm runs over the Ray pools it is given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.bench import run_policy_bench
+from dspark.coordinator.ray_workers import build_ray_workers, shutdown
+from dspark.demo import demo_path
+
+
+def test_policy_bench_runs_its_arms_over_the_given_workers(ray_instance, tmp_path: Path) -> None:
+    target, pool = build_ray_workers(demo_path("target"), "dspark", tp=1, num_draft_actors=1,
+                                     num_blocks=512)
+    try:
+        results = run_policy_bench(concurrencies=(2,), temperatures=(0.0,), max_tokens=8,
+                                   out_dir=tmp_path, repeats=1, arms=("off", "fixed k=3"),
+                                   workers=(target, pool))
+        cell = results["T=0"]["2"]
+        assert cell["off"]["x_off"] == 1.0 and cell["fixed k=3"]["x_off"] > 0
+        # Verified over the target group, drafted by the draft actor: the arms ran there.
+        assert target.timing["verify_calls"] > 0
+        assert sum(int(b["calls"]) for b in pool.busy()) > 0
+        assert (tmp_path / "bench_policies.json").is_file()
+    finally:
+        shutdown((target, pool))
