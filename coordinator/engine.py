@@ -411,7 +411,9 @@ class Engine:
             self._recover_target(e)
             return None
         verify_seconds = time.perf_counter() - clock
-        if result.hidden is not None:
+        # Under `off` nothing ever drafts: rows kept for the drafter would pile up until each
+        # request ends (3 layers x 4,096 floats a token for a 7B-class target: 48 kB a token).
+        if result.hidden is not None and self.policy.name != "off":
             for req_id, rows in zip(result.req_ids, result.hidden, strict=True):
                 self._pending_hidden.setdefault(req_id, []).append(rows)
         self._step_no += 1

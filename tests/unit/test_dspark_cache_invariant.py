@@ -212,6 +212,18 @@ def test_an_idle_drafter_is_sent_nothing_until_it_drafts_again(tiny_dspark) -> N
         r.shape[0] for r in engine._pending_hidden.get("req-0", [])) == req.target_length
 
 
+def test_off_keeps_no_hidden_rows_for_a_drafter_that_never_drafts(tiny_dspark) -> None:
+    """With `off` the target still returns the drafter's rows (it was built to), but nothing will
+    ever read them: the engine keeps none, where it kept every token's until the request ended."""
+    target_dir, drafter_dir = tiny_dspark
+    engine = Engine(target_dir, proposer="dspark", drafter=drafter_dir, policy="off")
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for _ in range(6):
+        assert engine.step() is not None
+    assert engine._running["req-0"].target_length > 3  # still running, prompt and tokens cached
+    assert engine._pending_hidden == {}
+
+
 def test_a_request_whose_prompt_is_in_the_pass_is_planned_no_drafts(tiny_dspark) -> None:
     """The drafter has no context rows for a prompt the target takes in this step: the policy
     sees a cap of 0 for it (a budget must not price slots nobody can draft), the others keep
