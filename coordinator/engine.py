@@ -180,8 +180,11 @@ class Engine:
             sequential_drafts=getattr(self.proposer, "sequential_drafts", False),
         )
         # The drafter reads the target's hidden rows of every committed position (DSpark): it
-        # drafts nothing for a request until a target pass has taken in its prompt.
-        self._drafts_from_target = bool(getattr(self.proposer, "hidden_layers", ()))
+        # drafts nothing for a request until a target pass has taken in its prompt. Under `off`
+        # nothing ever drafts, and rows kept for it would pile up until each request ends
+        # (3 layers x 4,096 floats a token for a 7B-class target: 48 kB a token).
+        self._drafts_from_target = (bool(getattr(self.proposer, "hidden_layers", ()))
+                                    and self.policy.name != "off")
         self.max_k = k
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
@@ -411,9 +414,7 @@ class Engine:
             self._recover_target(e)
             return None
         verify_seconds = time.perf_counter() - clock
-        # Under `off` nothing ever drafts: rows kept for the drafter would pile up until each
-        # request ends (3 layers x 4,096 floats a token for a 7B-class target: 48 kB a token).
-        if result.hidden is not None and self.policy.name != "off":
+        if result.hidden is not None and self._drafts_from_target:
             for req_id, rows in zip(result.req_ids, result.hidden, strict=True):
                 self._pending_hidden.setdefault(req_id, []).append(rows)
         self._step_no += 1
