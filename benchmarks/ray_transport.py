@@ -31,7 +31,7 @@ from dspark.demo import heldout_prompts_path
 from dspark.sampling_params import SamplingParams
 from dspark.training.prompts import load_prompts
 
-POLICIES = ("off", "confidence")
+POLICIES = "off,confidence"  # `fixed` verifies `--k` drafts a step
 
 
 def _worker_seconds(workers: tuple) -> tuple[float, float, float, float]:
@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--draft-actors", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--policies", default=POLICIES, help="comma-separated: off, fixed, confidence")
+    ap.add_argument("--k", type=int, default=7, help="ℓ for `fixed`, γ for `confidence`")
     ap.add_argument("--out", default="bench_out/ray_transport")
     a = ap.parse_args()
     torch.set_num_threads(1)  # as each actor runs: the arms compare like with like
@@ -74,9 +76,9 @@ def main() -> None:
     workers = build_ray_workers(num_draft_actors=a.draft_actors)
     try:
         arms = {}
-        for policy in POLICIES:
-            arms[f"in-process {policy}"] = (Engine(policy=policy), None)
-            arms[f"ray {policy}"] = (Engine(policy=policy, workers=workers), workers)
+        for policy in a.policies.split(","):
+            arms[f"in-process {policy}"] = (Engine(policy=policy, k=a.k), None)
+            arms[f"ray {policy}"] = (Engine(policy=policy, k=a.k, workers=workers), workers)
         warm = SamplingParams(temperature=a.temperature, max_tokens=16)
         for engine, _ in arms.values():
             engine.generate(prompts, warm)  # each scheduler learns its step costs first

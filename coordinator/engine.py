@@ -458,7 +458,9 @@ class Engine:
         for i, n in enumerate(planned):
             assert n <= int(drafts.num_drafts[i])
             token_ids[i, n:] = -1
-        probs = None if drafts.probs is None else drafts.probs[:, :width]
+        probs = drafts.probs  # q over Ray stays a reference: rank 0 cuts it to the plan's width
+        if isinstance(probs, torch.Tensor):
+            probs = probs[:, :width]
         return VerifyPlan(
             req_ids=tuple(r.req_id for r in reqs),
             starts=tuple(r.target_length for r in reqs),

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 
 from dspark import tensor_wire
 from dspark.faults import first_line
-from dspark.messages import DraftQuery, Drafts, NewRequest
+from dspark.messages import DraftQuery, Drafts, NewRequest, RemoteDraftProbs
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,17 @@ class DraftActor:
         finally:
             self._busy["calls"] += 1
             self._busy["seconds"] += time.perf_counter() - start
+
+    def draft(
+        self, ops: Sequence[Op], queries: list[DraftQuery]
+    ) -> tuple[tuple[Drafts, bool], torch.Tensor | None]:
+        """`step` for a call that drafts, as two Ray objects (`num_returns=2`): (the drafts
+        without q, whether they have q), and q alone. The coordinator fetches the first and
+        hands the second to the target's rank 0 by reference
+        (`dspark.target_worker.draft_probs`)."""
+        d = self.step(ops, queries)
+        assert d is not None
+        return (replace(d, probs=None), d.probs is not None), d.probs
 
     def _step(self, ops: Sequence[Op], queries: list[DraftQuery] | None) -> Drafts | None:
         p = self.proposer
@@ -277,18 +289,22 @@ class DraftPool:
             if a in self._down or (rows is None and len(self._ops[a]) < MAX_QUEUED_VERBS):
                 continue
             ops, self._ops[a] = self._ops[a], []
-            sub = None if rows is None else [queries[i] for i in rows]
-            calls.append((a, actor.step.remote(ops, sub)))
+            if rows is None:
+                calls.append((a, actor.step.remote(ops, None), None))
+            else:
+                calls.append((a, *actor.draft.options(num_returns=2).remote(
+                    ops, [queries[i] for i in rows])))
         parts = []
-        for a, ref in calls:
+        for a, ref, q_ref in calls:
             try:
-                d = ray.get(ref)
+                answer = ray.get(ref)
             except ray.exceptions.RayError as e:
                 self.faults["undrafted_rows"] += len(per_actor.get(a, ()))
                 self._actor_failed(a, e)
                 continue
-            if d is not None:
-                parts.append((per_actor[a], d))
+            if answer is not None:
+                d, has_q = answer
+                parts.append((per_actor[a], d, q_ref if has_q else None))
         merged = merge_drafts(tuple(q.req_id for q in queries), parts, self.has_confidence_head)
         self.timing["propose_calls"] += 1
         self.timing["propose_seconds"] += time.perf_counter() - start
@@ -368,41 +384,37 @@ class DraftPool:
         return ray.get([a.requests.remote() for a in self.actors])
 
 
-def merge_drafts(req_ids: tuple[str, ...], parts: Sequence[tuple[Sequence[int], Drafts]],
+def merge_drafts(req_ids: tuple[str, ...],
+                 parts: Sequence[tuple[Sequence[int], Drafts, Any]],
                  with_confidences: bool) -> Drafts:
-    """One `Drafts` in `req_ids` order from per-actor `Drafts` (part rows land at `positions`;
-    requests in no part get no drafts).
+    """One `Drafts` in `req_ids` order from per-actor parts: (positions in `req_ids`, that
+    actor's drafts without q, the Ray reference to its q or None: deterministic drafts).
+    Requests in no part get no drafts.
 
-    Padding follows `Drafts`: token ids -1, q zero past each row's drafts. A part without q
-    (`probs=None`: deterministic drafts) gets one-hot rows at its tokens when another part has q.
-    `with_confidences`: the proposer has a confidence head, so the batch carries confidences
-    (zeros past each row's drafts) as an in-process proposer's would, even with no part.
+    q stays where the actors left it: the batch carries the references (`RemoteDraftProbs`;
+    None when no part has q), which the target's rank 0 fetches. Padding follows `Drafts`: token
+    ids -1, and confidences zero past each row's drafts. `with_confidences`: the proposer has a
+    confidence head, so the batch carries confidences as an in-process proposer's would, even
+    with no part.
     """
     n = len(req_ids)
-    width = max((d.token_ids.shape[1] for _, d in parts), default=0)
+    width = max((d.token_ids.shape[1] for _, d, _ in parts), default=0)
     token_ids = torch.full((n, width), -1, dtype=torch.long)  # [num_reqs, max_draft]
     num_drafts = torch.zeros(n, dtype=torch.long)  # [num_reqs]
-    vocab = next((d.probs.shape[2] for _, d in parts if d.probs is not None), None)
-    probs = None if vocab is None else torch.zeros(n, width, vocab, dtype=torch.float64)
-    assert all((d.confidences is not None) == with_confidences for _, d in parts), (
+    assert all((d.confidences is not None) == with_confidences for _, d, _ in parts), (
         "a draft actor disagrees on confidences")
     # [num_reqs, max_draft]
     confidences = torch.zeros(n, width, dtype=torch.float64) if with_confidences else None
-    for positions, d in parts:
+    for positions, d, _ in parts:
         rows = torch.tensor(list(positions), dtype=torch.long)
         assert tuple(req_ids[i] for i in positions) == d.req_ids, "actor answered other requests"
         w = d.token_ids.shape[1]
         token_ids[rows, :w] = d.token_ids
         num_drafts[rows] = d.num_drafts
-        if probs is not None:
-            probs[rows, :w] = d.probs if d.probs is not None else _one_hot(d, probs.shape[2])
         if confidences is not None and d.confidences is not None:
             confidences[rows, :w] = d.confidences
+    remote = [(tuple(positions), ref) for positions, _, ref in parts if ref is not None]
+    probs = None
+    if remote:
+        probs = RemoteDraftProbs(tuple(r for r, _ in remote), tuple(ref for _, ref in remote))
     return Drafts(req_ids, token_ids, num_drafts, probs, confidences)
-
-
-def _one_hot(d: Drafts, vocab: int) -> torch.Tensor:  # [rows, width, vocab] float64
-    out = torch.zeros(*d.token_ids.shape, vocab, dtype=torch.float64)
-    valid = d.token_ids >= 0
-    out[valid, d.token_ids[valid]] = 1.0
-    return out

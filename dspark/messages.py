@@ -17,6 +17,7 @@ All are frozen; workers receive new requests in full and running ones as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,13 +48,28 @@ class DraftQuery:
 
 
 @dataclass(frozen=True)
+class RemoteDraftProbs:
+    """q left in Ray's object store by the draft actors that made it, in parts; the target's
+    rank 0 fetches and assembles it (`dspark.target_worker.draft_probs`).
+
+    Part i covers the batch rows `rows[i]`: its object holds their q, [len(rows[i]), width_i,
+    vocab] float64 (width_i: that actor's widest row). Rows with drafts in no part drafted
+    deterministically (q one-hot at their tokens); rows without drafts need no q.
+    """
+
+    rows: tuple[tuple[int, ...], ...]
+    refs: tuple[Any, ...]  # Ray ObjectRefs, one per part
+
+
+@dataclass(frozen=True)
 class Drafts:
     """Proposals for one step. Row i belongs to `req_ids[i]`."""
 
     req_ids: tuple[str, ...]
     token_ids: torch.Tensor  # [num_reqs, max_draft] int64, -1 padding past num_drafts
     num_drafts: torch.Tensor  # [num_reqs] int64, γ_r proposed
-    probs: torch.Tensor | None  # [num_reqs, max_draft, vocab] float64 warped q; None: one-hot
+    # [num_reqs, max_draft, vocab] float64 warped q, or where it waits over Ray; None: one-hot
+    probs: torch.Tensor | RemoteDraftProbs | None
     confidences: torch.Tensor | None  # [num_reqs, max_draft] conditional acceptance estimates
 
     @staticmethod
@@ -80,7 +96,8 @@ class VerifyPlan:
     input_ids: tuple[tuple[int, ...], ...]
     num_draft: tuple[int, ...]  # ℓ_r admitted drafts (0 allowed)
     draft_token_ids: torch.Tensor  # [num_reqs, max_draft] int64, -1 padding past ℓ_r
-    draft_probs: torch.Tensor | None  # [num_reqs, max_draft, vocab] float64 q; None: one-hot
+    # [num_reqs, max_draft, vocab] float64 q (or where it waits over Ray); None: one-hot
+    draft_probs: torch.Tensor | RemoteDraftProbs | None
     budget: int  # K: total draft positions the policy allowed this step
 
 
@@ -94,6 +111,9 @@ class VerifyResult:
     # When asked for: hidden rows of the positions this pass cached for good (the uncached
     # committed tokens and the A_r accepted drafts), per request.
     hidden: tuple[torch.Tensor, ...] | None = None  # each [n_uncached + A_r, num_layers * hidden]
+    # Rows whose drafts were not judged because their q could not be fetched (a draft node
+    # lost): A_r = 0 and y ~ p_0, the target's own next-token distribution.
+    unjudged: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

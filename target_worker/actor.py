@@ -30,8 +30,9 @@ import torch
 
 from dspark import tensor_wire
 from dspark.faults import WorkerLost, WorkersUnavailable, first_line
-from dspark.messages import NewRequest, VerifyPlan, VerifyResult
+from dspark.messages import NewRequest, RemoteDraftProbs, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
+from dspark.target_worker.draft_probs import fetch_draft_probs
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,13 @@ class TargetActor:
                 raise ValueError(f"unknown target verb {verb!r}")
         if plan is None:
             return None
-        result = self.runner.verify(plan)
+        unjudged: frozenset[int] = frozenset()
+        if isinstance(plan.draft_probs, RemoteDraftProbs):  # rank 0 alone reads q
+            q, unjudged = fetch_draft_probs(
+                plan.draft_probs, plan.draft_token_ids, self.runner.config.vocab_size
+            )
+            plan = replace(plan, draft_probs=q)
+        result = self.runner.verify(plan, unjudged)
         # Only rank 0's hidden rows are used: the others send their decision alone.
         if self.rank != 0 and result.hidden is not None:
             result = VerifyResult(result.req_ids, result.num_accepted, result.output_tokens)
@@ -211,6 +218,8 @@ class TargetGroup:
         self.max_recoveries = MAX_RECOVERIES  # in a row, without a verify that succeeded
         self.recoveries = 0  # in all
         self._failed_in_a_row = 0
+        # unjudged_rows: rows whose drafts rank 0 could not judge (their q was lost).
+        self.faults = {"unjudged_rows": 0}
 
     @property
     def tp(self) -> int:
@@ -229,9 +238,8 @@ class TargetGroup:
     def verify(self, plan: VerifyPlan) -> VerifyResult:
         start = time.perf_counter()
         ops, self._ops = self._ops, []
-        # Only rank 0 decides acceptance, so only it reads q: the bulk of a sampled plan
-        # ([requests, γ, vocab] float64; 3.5 MiB at 16 requests with the demo's vocabulary)
-        # goes to rank 0 alone instead of to every rank.
+        # Only rank 0 decides acceptance, so only it reads q (the bulk of a sampled plan, or
+        # the references to it: `dspark.target_worker.draft_probs`).
         lean = plan if plan.draft_probs is None else replace(plan, draft_probs=None)
         results = self._gather([a.step.remote(ops, plan if rank == 0 else lean)
                                 for rank, a in enumerate(self.actors)])
@@ -239,6 +247,8 @@ class TargetGroup:
         self.timing["verify_calls"] += 1
         self.timing["verify_seconds"] += time.perf_counter() - start
         first = results[0]
+        if first.unjudged:
+            self.faults["unjudged_rows"] += len(first.unjudged)
         for rank, other in enumerate(results[1:], start=1):
             decision = (other.num_accepted, other.output_tokens)
             if decision != (first.num_accepted, first.output_tokens):

@@ -15,10 +15,11 @@ import torch
 from dspark.faults import WorkersUnavailable
 from dspark.kernels.acceptance import accept
 from dspark.kernels.sampling import warp_probs
-from dspark.messages import NewRequest, VerifyPlan, VerifyResult
+from dspark.messages import NewRequest, RemoteDraftProbs, VerifyPlan, VerifyResult
 from dspark.models.checkpoint import load_model
 from dspark.models.kv_cache import PagedKVCache
 from dspark.sampling_params import SamplingParams
+from dspark.target_worker.draft_probs import without_drafts
 
 
 class TargetRunner:
@@ -62,8 +63,13 @@ class TargetRunner:
         self._generators[new.req_id] = torch.Generator().manual_seed(new.seed)
 
     @torch.inference_mode()
-    def verify(self, plan: VerifyPlan) -> VerifyResult:
-        """Run one varlen forward over every request's inputs and decide acceptance."""
+    def verify(self, plan: VerifyPlan, unjudged: frozenset[int] = frozenset()) -> VerifyResult:
+        """Run one varlen forward over every request's inputs and decide acceptance.
+
+        `unjudged`: rows whose drafts go through the forward (every rank runs the same pass)
+        but are not judged, as their q was lost: they accept none and sample y from p_0.
+        """
+        assert not isinstance(plan.draft_probs, RemoteDraftProbs), "fetch q first (rank 0)"
         req_ids = list(plan.req_ids)
         q_lens = [len(ids) for ids in plan.input_ids]
         for r, start, n in zip(req_ids, plan.starts, q_lens, strict=True):
@@ -79,7 +85,12 @@ class TargetRunner:
         out = self.model.forward_paged(
             flat_ids, meta, self.cache, torch.cat(rows).to(self.device), self.hidden_layers
         )
-        result = self._accept(plan, out.logits)
+        unjudged = frozenset(i for i in unjudged if plan.num_draft[i])
+        if unjudged:
+            judged, logits = without_drafts(plan, out.logits, unjudged)
+            result = replace(self._accept(judged, logits), unjudged=tuple(sorted(unjudged)))
+        else:
+            result = self._accept(plan, out.logits)
         if out.hidden is None:
             return result
         # Keep the rows of positions cached for good: uncached committed tokens + accepted drafts.

@@ -12,7 +12,7 @@ from dspark.draft_worker.actor import (
     merge_drafts,
 )
 from dspark.draft_worker.ngram import NgramProposer
-from dspark.messages import DraftQuery, Drafts, NewRequest
+from dspark.messages import DraftQuery, Drafts, NewRequest, RemoteDraftProbs
 from dspark.sampling_params import SamplingParams
 
 
@@ -85,18 +85,18 @@ def test_routing_table_refuses_double_assignment() -> None:
     assert table.remove("r1") == 1 and table.assign("r5") == 1
 
 
-def test_merge_fills_one_hot_q_for_parts_without_probs() -> None:
-    vocab = 5
-    sampled = Drafts(("b",), torch.tensor([[2, 4, 1]]), torch.tensor([3]),
-                     torch.full((1, 3, vocab), 0.2, dtype=torch.float64), None)
+def test_merge_leaves_q_where_the_actors_put_it() -> None:
+    """Tokens and counts are merged in query order; q is not: the batch carries each part's
+    reference with the rows it covers (rank 0 fetches them), and none for parts without q."""
+    sampled = Drafts(("b",), torch.tensor([[2, 4, 1]]), torch.tensor([3]), None, None)
     deterministic = Drafts(("a", "c"), torch.tensor([[3], [-1]]), torch.tensor([1, 0]), None, None)
-    merged = merge_drafts(("a", "b", "c"), [([1], sampled), ([0, 2], deterministic)], False)
+    q_ref = object()  # stands for the Ray reference; merging never looks inside
+    merged = merge_drafts(("a", "b", "c"),
+                          [([1], sampled, q_ref), ([0, 2], deterministic, None)], False)
     assert merged.token_ids.tolist() == [[3, -1, -1], [2, 4, 1], [-1, -1, -1]]
-    assert merged.num_drafts.tolist() == [1, 3, 0]
-    assert merged.probs is not None and merged.confidences is None
-    assert merged.probs[0, 0].tolist() == [0, 0, 0, 1, 0]  # deterministic draft: q one-hot
-    assert merged.probs[0, 1:].abs().sum() == 0 and merged.probs[2].abs().sum() == 0
-    assert torch.equal(merged.probs[1], sampled.probs[0])
+    assert merged.num_drafts.tolist() == [1, 3, 0] and merged.confidences is None
+    assert merged.probs == RemoteDraftProbs(rows=((1,),), refs=(q_ref,))
+    assert merge_drafts(("a", "c"), [([0, 1], deterministic, None)], False).probs is None
 
 
 def test_idle_queries_make_no_call_and_verbs_wait_for_one(ray_instance) -> None:
