@@ -13,8 +13,10 @@ Terms:
 Each request emits A + 1 tokens: x_1..x_A, y. The emitted tokens have exactly the target's
 distribution whatever q is (tests/unit/test_acceptance.py checks this by χ²).
 
-Greedy needs no branch: `warp_probs` makes a greedy row's p one-hot, so x_j is accepted iff it is
-the target argmax, the residual keeps only the argmax, and y is the argmax.
+Greedy: `warp_probs` makes a greedy row's p one-hot, so x_j is accepted iff it is the target
+argmax, the residual keeps only the argmax, and y is the argmax, whatever q is. `accept_greedy`
+decides a batch of greedy requests from each row's argmax alone, with the same outputs: no
+[rows, vocab] distribution to build, no uniforms to draw (on a GPU only the argmaxes leave it).
 
 `accept_ref` is the specification; `accept_triton` launches `_accept_kernel` and
 `_accept_final_kernel`; `accept` is the dispatch (`dspark.kernels.dispatch`). The kernels decide
@@ -92,6 +94,37 @@ def accept_ref(
     )
     output_tokens[:, :max_draft] = torch.where(column < num_accepted[:, None], tokens, -1)
     output_tokens[torch.arange(num_reqs, device=tokens.device), num_accepted] = final_token
+    return AcceptanceOutput(num_accepted=num_accepted, output_tokens=output_tokens)
+
+
+def accept_greedy(
+    target_argmax: torch.Tensor,  # [num_rows] int64 argmax of each row's logits (first on ties)
+    cu_num_rows: torch.Tensor,  # [num_reqs + 1] int64 prefix sums of ℓ_r + 1
+    draft_token_ids: torch.Tensor,  # [num_reqs, max_draft] int64, -1 past ℓ_r
+) -> AcceptanceOutput:
+    """`accept_ref`'s outputs for greedy requests (p one-hot at each row's argmax), from the
+    argmaxes: A_r counts the leading drafts equal to the argmax of the row before them, and y
+    is the argmax of row A_r.
+
+    >>> out = accept_greedy(torch.tensor([5, 7, 2]), torch.tensor([0, 3]), torch.tensor([[5, 1]]))
+    >>> out.num_accepted, out.output_tokens
+    (tensor([1]), tensor([[ 5,  7, -1]]))
+    """
+    num_reqs, max_draft = draft_token_ids.shape
+    assert cu_num_rows.shape == (num_reqs + 1,), cu_num_rows.shape
+    row_start = cu_num_rows[:-1]  # [num_reqs] row of p_0
+    num_drafts = cu_num_rows[1:] - row_start - 1  # [num_reqs] ℓ_r
+    column = torch.arange(max_draft, device=draft_token_ids.device)
+    valid = column[None, :] < num_drafts[:, None]
+    rows = torch.where(valid, row_start[:, None] + column[None, :], 0)  # row of p_{j-1}
+    matched = valid & (draft_token_ids == target_argmax[rows])
+    num_accepted = torch.cumprod(matched.to(torch.int64), dim=1).sum(dim=1)  # stop at 1st miss
+    output_tokens = torch.full(
+        (num_reqs, max_draft + 1), -1, dtype=torch.int64, device=draft_token_ids.device
+    )
+    output_tokens[:, :max_draft] = torch.where(column < num_accepted[:, None], draft_token_ids, -1)
+    output_tokens[torch.arange(num_reqs, device=draft_token_ids.device), num_accepted] = (
+        target_argmax[row_start + num_accepted])
     return AcceptanceOutput(num_accepted=num_accepted, output_tokens=output_tokens)
 
 

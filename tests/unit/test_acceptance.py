@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.kernels.acceptance import AcceptanceOutput, accept, accept_ref
+from dspark.kernels.acceptance import AcceptanceOutput, accept, accept_greedy, accept_ref
 from dspark.kernels.sampling import sample_from_probs, warp_probs
 
 F64 = torch.float64
@@ -162,6 +162,32 @@ def test_greedy_equals_explicit_argmax_rule(with_draft_probs: bool) -> None:
         assert out.num_accepted[r] == a
         assert out.output_tokens[r].tolist() == expected + [-1] * (max_draft - a)
     assert 0 < out.num_accepted.sum() < sum(num_drafts)  # both branches were exercised
+
+
+@pytest.mark.parametrize("max_draft", [0, 1, 5])
+def test_accept_greedy_equals_reference_on_one_hot_rows(max_draft: int) -> None:
+    """`accept_greedy` from argmaxes == `accept_ref` on `warp_probs`' one-hot rows, over random
+    varlen batches with ties in the logits (argmax: the first), ℓ = 0 rows and padding."""
+    g = torch.Generator().manual_seed(11 + max_draft)
+    for _ in range(20):
+        num_reqs, vocab = int(torch.randint(1, 9, (), generator=g)), 6
+        num_drafts = torch.randint(0, max_draft + 1, (num_reqs,), generator=g).tolist()
+        cu = _cu(num_drafts)
+        logits = torch.randint(0, 3, (int(cu[-1]), vocab), generator=g).float()  # many ties
+        argmax = logits.argmax(dim=-1)
+        ids = torch.full((num_reqs, max_draft), -1)
+        for r, n in enumerate(num_drafts):
+            for j in range(n):  # the argmax or a random token, so both outcomes occur
+                hit = bool(torch.rand((), generator=g) < 0.6)
+                ids[r, j] = argmax[cu[r] + j] if hit else torch.randint(0, vocab, (), generator=g)
+        rows = logits.shape[0]
+        p = warp_probs(logits, torch.zeros(rows), torch.zeros(rows, dtype=torch.long),
+                       torch.ones(rows))
+        ref = accept_ref(p, cu, ids, None, torch.rand(num_reqs, max_draft, generator=g, dtype=F64),
+                         torch.rand(num_reqs, generator=g, dtype=F64))
+        out = accept_greedy(argmax, cu, ids)
+        assert torch.equal(out.num_accepted, ref.num_accepted)
+        assert torch.equal(out.output_tokens, ref.output_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
