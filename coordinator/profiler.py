@@ -78,9 +78,9 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
 
 
-# Part of the cache key: a new method, or verbs made faster (v14: the DSpark round's context
-# gather), never reads old files.
-PROFILE_VERSION = "workers-v14"
+# Part of the cache key: a new method, or verbs made faster (v15: greedy verify passes judged
+# from their argmaxes), never reads old files.
+PROFILE_VERSION = "workers-v15"
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
