@@ -109,7 +109,7 @@ class TargetRunner:
         cu[1:] = rep.cumsum(0)
         if all(p.temperature == 0 for p in params):
             # A greedy batch is decided by its argmaxes (`accept_greedy`): at 64 in flight,
-            # fixed k = 7, this step took 6.8 ms building and judging one-hot rows.
+            # fixed k = 7, judging one-hot rows took 7.9 ms a step, the argmaxes 1.6 ms.
             out = accept_greedy(logits.argmax(dim=-1).cpu(), cu, plan.draft_token_ids)
             return self._result(plan, out)
         temperature = torch.tensor(
