@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--policies", default=POLICIES, help="comma-separated: off, fixed, confidence")
     ap.add_argument("--k", type=int, default=7, help="ℓ for `fixed`, γ for `confidence`")
-    ap.add_argument("--out", default="bench_out/ray_transport")
+    ap.add_argument("--out", default="runs/ray_transport")
     a = ap.parse_args()
     torch.set_num_threads(1)  # as each actor runs: the arms compare like with like
     prompts = load_prompts(heldout_prompts_path(), a.num_prompts)
