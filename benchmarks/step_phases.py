@@ -45,13 +45,15 @@ def instrument(engine: Engine) -> dict[str, float]:
                 seconds[label] += time.perf_counter() - start
         return run
 
-    targets = [(engine, "step", "step"), (engine.proposer, "propose", "draft"),
-               (engine.target, "verify", "verify"), (engine.target, "_accept", "verify: accept"),
-               (engine.tracker, "fill", "tracker.fill"), (engine.tracker, "observe",
-                                                           "tracker.observe"),
-               (engine, "_plan", "engine._plan"), (engine, "_record", "engine._record"),
-               (engine, "_rollback", "engine._rollback")]
-    targets += [(engine.policy, verb, f"policy.{verb}") for verb in POLICY_VERBS]
+    targets = [
+        (engine, "step", "step"),
+        (engine.proposer, "propose", "draft"),
+        (engine.target, "verify", "verify"),
+        (engine.target, "_accept", "verify: accept"),
+        *[(engine.tracker, verb, f"tracker.{verb}") for verb in ("fill", "observe")],
+        *[(engine, verb, f"engine.{verb}") for verb in ("_plan", "_record", "_rollback")],
+        *[(engine.policy, verb, f"policy.{verb}") for verb in POLICY_VERBS],
+    ]
     for obj, name, label in targets:
         setattr(obj, name, timed(label, getattr(obj, name)))
     engine_module.commit = timed("commit", engine_module.commit)  # called by name in `step`

@@ -14,12 +14,12 @@ import pytest
 
 import dspark
 
-ROOT = Path(dspark.__file__).resolve().parent
-# The package's folders as installed (pyproject's package-dir maps the top-level ones in).
+# Top-level folders that pyproject's package-dir maps into the `dspark` namespace.
+MAPPED = ("coordinator", "draft_worker", "target_worker", "kernels")
 PACKAGES = {
-    "dspark": ROOT,
+    "dspark": Path(dspark.__file__).resolve().parent,
     **{f"dspark.{name}": Path(importlib.import_module(f"dspark.{name}").__file__).parent
-       for name in ("coordinator", "draft_worker", "target_worker", "kernels")},
+       for name in MAPPED},
 }
 
 
@@ -28,9 +28,8 @@ def _modules_with_examples() -> list[str]:
     for package, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder)
-            if "protos" in rel.parts or (package == "dspark" and rel.parts[0] in {
-                    "coordinator", "draft_worker", "target_worker", "kernels"}):
-                continue  # generated stubs; the folders mapped in are listed on their own
+            if "protos" in rel.parts or (package == "dspark" and rel.parts[0] in MAPPED):
+                continue  # generated stubs; the mapped folders are walked on their own
             if ">>> " in path.read_text(encoding="utf-8"):
                 parts = [*rel.with_suffix("").parts]
                 if parts[-1] == "__init__":
