@@ -5,7 +5,6 @@ single-process model's logits. Covers the vocabulary padding and the once-only r
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -26,12 +25,14 @@ RAW = {
 }
 
 
-def _rank_main(rank: int, world: int, port: int, path: str, ids: list[int], out: str) -> None:
+def _rank_main(rank: int, world: int, rendezvous: str, path: str, ids: list[int], out: str) -> None:
     from dspark.target_worker.tensor_parallel import TPGroup, load_tp_model
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file rendezvous: no store server thread in rank 0 to race the other rank's exit, and no
+    # port to pick. Gloo's own connections still run over loopback.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)
     try:
         model = load_tp_model(path, TPGroup(rank, world))
@@ -39,14 +40,9 @@ def _rank_main(rank: int, world: int, port: int, path: str, ids: list[int], out:
             h, _ = model.forward_dense(torch.tensor([ids]))
             logits = model.compute_logits(h)[0]
         torch.save(logits, f"{out}.{rank}")
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp2_gloo_logits_with_padded_vocab_and_biases(tmp_path: Path) -> None:
@@ -57,7 +53,8 @@ def test_tp2_gloo_logits_with_padded_vocab_and_biases(tmp_path: Path) -> None:
     save_model(model, RAW, tmp_path / "ckpt", dtype=torch.float32)
     ids = torch.randint(0, RAW["vocab_size"], (23,)).tolist() + [RAW["vocab_size"] - 1]
     out = str(tmp_path / "logits")
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path / "ckpt"), ids, out), nprocs=2)
+    rendezvous = str(tmp_path / "rendezvous")
+    mp.spawn(_rank_main, args=(2, rendezvous, str(tmp_path / "ckpt"), ids, out), nprocs=2)
     full = load_model(tmp_path / "ckpt")
     with torch.inference_mode():
         h, _ = full.forward_dense(torch.tensor([ids]))
