@@ -6,8 +6,8 @@ Every operation in `dspark.kernels` has one dispatch function, and every dispatc
 - `DSPARK_KERNELS=torch`: the torch reference, everywhere.
 - `DSPARK_KERNELS=triton`: the Triton kernel, everywhere (on CPU tensors this needs
   `TRITON_INTERPRET=1`, which is how the kernel tests run without a GPU).
-- unset: the Triton kernel when the tensors are on CUDA and triton is installed, else the
-  reference.
+- unset: the Triton kernel when the tensors are on CUDA, of a dtype the kernel takes, and
+  triton is installed; else the reference (float64 attention on a GPU, say: same semantics).
 
 Importing `dspark.kernels` never imports triton: `lazy_jit` imports it on a kernel's first launch.
 Triton decides once, when it is imported, whether its library functions (`tl.max`, `tl.randint4x`,
@@ -33,8 +33,9 @@ _CHOICES = ("triton", "torch")
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # a Linux x86-64 dependency
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
-    """True when the operation on `tensor` (its main input) should run its Triton kernel.
+def use_triton(tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
+    """True when the operation on `tensor` (its main input) should run its Triton kernel;
+    `dtypes`: those the kernel takes (None: any).
 
     >>> use_triton(torch.zeros(1))  # a CPU tensor with DSPARK_KERNELS unset: the reference
     False
@@ -48,7 +49,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
         return True
     if choice:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {_CHOICES} or unset")
-    return HAS_TRITON and tensor.is_cuda
+    return HAS_TRITON and tensor.is_cuda and (dtypes is None or tensor.dtype in dtypes)
 
 
 def interpreting() -> bool:

@@ -33,6 +33,8 @@ GROUP_OVERHEAD = 32 * 150
 # Query lengths up to this are classes of their own; longer ones (prompts) class by power of
 # two, which bounds the classes (and the cut's work, quadratic in them) at ~30.
 SHORT_QUERY = 16
+# What the Triton attention kernel takes (tl.dot has no float64); other dtypes run the reference.
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Dispatch: varlen causal attention over the paged cache (`paged_attention_ref`). Without
     triton, the reference over each of `meta.query_groups` apart."""
-    if use_triton(q):
+    if use_triton(q, ATTENTION_DTYPES):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     groups = meta.query_groups
     if len(groups) == 1:
@@ -300,7 +302,7 @@ def paged_attention_triton(
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, k_cache.shape
     assert heads % kv_heads == 0, (heads, kv_heads)
     assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert q.dtype in ATTENTION_DTYPES, q.dtype
     # Triton 3.x's interpreter multiplies bfloat16 tiles as their raw uint16 bits.
     assert not (q.dtype == torch.bfloat16 and interpreting()), "bfloat16 needs a GPU"
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dspark.kernels.dispatch import ENV_VAR, HAS_TRITON, next_power_of_2, use_triton
+from dspark.kernels.paged_attention import ATTENTION_DTYPES
 
 
 def test_cpu_tensors_use_the_reference_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,6 +36,17 @@ def test_unknown_choice_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cuda_tensors_use_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert use_triton(torch.zeros(1, device="cuda")) == HAS_TRITON
+    # A dtype the kernel does not take runs the reference (float64 attention on a GPU).
+    f64 = torch.zeros(1, dtype=torch.float64, device="cuda")
+    assert not use_triton(f64, (torch.float32,))
+    assert use_triton(f64, (torch.float64,)) == HAS_TRITON
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (Linux x86-64)")
+def test_a_forced_choice_ignores_the_kernels_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forced, the kernel runs and its launcher's dtype check speaks (no silent reference).
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert use_triton(torch.zeros(1, dtype=torch.float64), ATTENTION_DTYPES)
 
 
 def test_next_power_of_2() -> None:
