@@ -239,18 +239,22 @@ def interleaved_medians(fns: list[Callable[[], float | None]], repeats: int, see
     return [statistics.median(t) for t in times]
 
 
-def hardware_key() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0).replace(" ", "-")
+def hardware_key(device: str | None = None) -> str:
+    """The hardware a profile was measured on: the GPU's name for a CUDA `device`, the CPU's
+    architecture and torch threads for "cpu"; None: CUDA where present."""
+    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if kind.type == "cuda":
+        return torch.cuda.get_device_name(kind).replace(" ", "-")
     return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
 
 
-def cache_key(model_dirs: list[str | Path]) -> str:
-    """Model identity (config + weight sizes) and hardware, for the persisted profile's name."""
+def cache_key(model_dirs: list[str | Path], device: str | None = None) -> str:
+    """Model identity (config + weight sizes) and hardware (`hardware_key`), for the persisted
+    profile's name."""
     h = hashlib.sha256()
     for d in model_dirs:
         d = Path(d)
         h.update((d / "config.json").read_bytes())
         for f in sorted(d.glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"{hardware_key()}-{h.hexdigest()[:12]}"
+    return f"{hardware_key(device)}-{h.hexdigest()[:12]}"

@@ -42,6 +42,7 @@ from dspark.draft_worker.proposer import NoProposer, Proposer
 from dspark.faults import WorkerLost
 from dspark.messages import DraftQuery, Drafts, NewRequest, StepState, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
+from dspark.models.device import resolve_device
 from dspark.models.tokenizer import Tokenizer
 from dspark.sampling_params import SamplingParams
 from dspark.target_worker.runner import TargetRunner
@@ -148,6 +149,7 @@ class Engine:
         profile_dir: str | Path | None = None,  # default: ~/.cache/dspark/cost, read per call
         workers: tuple[TargetWorker, Proposer] | None = None,
         trace: TraceRecorder | None = None,
+        device: str | None = None,  # in-process workers: "cpu", "cuda[:N]"; None: CUDA if any
     ) -> None:
         target_dir = Path(target) if target is not None else demo_path("target")
         proposer = proposer or DEFAULT_PROPOSER
@@ -161,15 +163,19 @@ class Engine:
             raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
         self.tokenizer = Tokenizer(target_dir)
         if workers is not None:
-            # Remote workers (Ray actor pools) speak the same verbs as the local ones.
+            # Remote workers (Ray actor pools) speak the same verbs as the local ones; each
+            # actor takes the GPU its placement group gave it.
+            if device is not None:
+                raise ValueError(f"device={device!r}: remote workers choose their own device")
             self.target, self.proposer = workers
         else:
+            device = resolve_device(device)
             self.proposer = self._make_proposer(
-                proposer, drafter, target_dir, num_blocks, block_size, dtype
+                proposer, drafter, target_dir, num_blocks, block_size, dtype, device
             )
             hidden_layers = tuple(getattr(self.proposer, "hidden_layers", ()))
             self.target = TargetRunner(
-                target_dir, num_blocks, block_size, dtype, hidden_layers=hidden_layers
+                target_dir, num_blocks, block_size, dtype, device, hidden_layers
             )
         self._check_vocab()
         self.tracker = AcceptanceTracker(max_draft=k)
@@ -210,7 +216,7 @@ class Engine:
 
     def _make_proposer(
         self, name: str, drafter: str | Path | None, target_dir: Path, num_blocks: int,
-        block_size: int, dtype: torch.dtype,
+        block_size: int, dtype: torch.dtype, device: str,
     ) -> Proposer:
         if name == "none":
             return NoProposer()
@@ -219,8 +225,8 @@ class Engine:
         path = drafter_dir(name, drafter)
         assert path is not None, name
         if name == "dspark":
-            return DSparkProposer(path, target_dir, num_blocks, block_size, dtype)
-        return DraftModelProposer(path, num_blocks, block_size, dtype)
+            return DSparkProposer(path, target_dir, num_blocks, block_size, dtype, device)
+        return DraftModelProposer(path, num_blocks, block_size, dtype, device)
 
     def _cost_model(self, policy: str, given: CostModel | str | Path | None, target_dir: Path,
                     drafter: str | Path | None, profile_dir: str | Path | None, k: int
@@ -237,10 +243,13 @@ class Engine:
         # transport; the cache key tells the layouts apart.
         name = getattr(self.proposer, "name", "none")
         layout = f"{type(self.target).__name__}-tp{getattr(self.target, 'tp', 1)}"
+        # An in-process runner's device names the hardware; remote pools are keyed by this
+        # machine's, as before.
+        device = self.target.device if isinstance(self.target, TargetRunner) else None
         return load_or_profile(target_dir, drafter_dir(name, drafter), self.target,
                                None if name == "none" else self.proposer,
                                profile_dir or Path.home() / ".cache" / "dspark" / "cost",
-                               layout=layout, block=k)
+                               layout=layout, device=device, block=k)
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.proposer, "vocab_size", None)

@@ -73,9 +73,10 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     if drafter is not None:
         for n in tqdm(range(1, n_max + 1), desc="profile draft", unit="reqs"):
             draft.append(time_forward(drafter, [1] * n, context, repeats))
-    meta = {"hardware": hardware_key(), "context": str(context), "repeats": str(repeats),
+    hardware = hardware_key(str(next(target.parameters()).device))
+    meta = {"hardware": hardware, "context": str(context), "repeats": str(repeats),
             "torch": torch.__version__}
-    return CostModel(key or hardware_key(), monotone(verify), monotone(draft), meta)
+    return CostModel(key or hardware, monotone(verify), monotone(draft), meta)
 
 
 # Part of the cache key: a new method, or verbs made faster (v15: greedy verify passes judged
@@ -86,8 +87,8 @@ DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t
 
 
 def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: int = 64,
-                    context: int = 256, repeats: int = 5, key: str = "", block: int = 7
-                    ) -> CostModel:
+                    context: int = 256, repeats: int = 5, key: str = "", block: int = 7,
+                    device: str | None = None) -> CostModel:
     """Time the engine's own verbs on scratch requests (released afterwards).
 
     verify[B-1]: `target.verify` of one request's B tokens (an anchor and B − 1 drafts) after
@@ -123,9 +124,10 @@ def profile_workers(target: Any, proposer: Any | None, b_max: int = 128, n_max: 
             suffix = "_sampled" if sampled else ""
             tables["draft_first" + suffix], tables["draft" + suffix] = first, each
         catch_up = _profile_catch_up(proposer, prompt, repeats, width, tables["draft_first"][0])
-    meta = {"hardware": hardware_key(), "context": str(context), "repeats": str(repeats),
+    hardware = hardware_key(device)
+    meta = {"hardware": hardware, "context": str(context), "repeats": str(repeats),
             "torch": torch.__version__, "method": PROFILE_VERSION}
-    return CostModel(key or hardware_key(), verify, meta=meta, catch_up=catch_up, **tables)
+    return CostModel(key or hardware, verify, meta=meta, catch_up=catch_up, **tables)
 
 
 def _profile_verify(target: Any, prompt: Any, b_max: int, context: int, repeats: int,
@@ -291,20 +293,21 @@ def _interpolate(grid: list[int], values: list[float]) -> list[float]:
 
 def load_or_profile(target_dir: str | Path, drafter_dir: str | Path | None, target: Any,
                     proposer: Any | None, cache_dir: str | Path, layout: str = "local",
-                    **kwargs: int) -> CostModel:
+                    device: str | None = None, **kwargs: int) -> CostModel:
     """The persisted worker profile for these models, this hardware and this worker `layout`
     (in-process or a Ray TP degree), measured once if missing.
 
     `target` is the target worker, `proposer` the proposer whose drafting rounds are timed (None:
     no drafting cost is modelled). The key names the proposer kind, its checkpoint (if any), the
-    layout and the profile method."""
+    layout and the profile method; `device` (the workers', None: this machine's) names the
+    hardware."""
     dirs = [target_dir] + ([drafter_dir] if drafter_dir is not None else [])
     kind = getattr(proposer, "name", "none") if proposer is not None else "none"
-    key = f"{cache_key(dirs)}-{kind}-{layout}-{PROFILE_VERSION}"
+    key = f"{cache_key(dirs, device)}-{kind}-{layout}-{PROFILE_VERSION}"
     path = Path(cache_dir) / f"{key}.json"
     if path.exists():
         return CostModel.load(path)
-    model = profile_workers(target, proposer, key=key, **kwargs)
+    model = profile_workers(target, proposer, key=key, device=device, **kwargs)
     model.save(path)
     return model
 

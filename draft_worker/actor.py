@@ -38,6 +38,7 @@ import torch
 from dspark import tensor_wire
 from dspark.faults import first_line
 from dspark.messages import DraftQuery, Drafts, NewRequest, RemoteDraftProbs
+from dspark.models.device import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class DraftActor:
     ) -> None:
         torch.set_num_threads(num_threads)
         tensor_wire.install()  # this actor's results carry tensors as raw bytes
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device()
         self.proposer = make_proposer(
             proposer, drafter_dir, target_dir, num_blocks, block_size, dtype, device
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from dspark.coordinator.cost_model import hardware_key
 from dspark.coordinator.engine import Engine
 from dspark.coordinator.trace import TraceRecorder
 from dspark.demo import heldout_prompts_path
@@ -204,7 +205,7 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
                      out_dir: Path = Path("runs/bench_policies"), repeats: int = 3,
                      arms: tuple[str, ...] | None = None, trace_dir: Path | None = None,
-                     workers: tuple | None = None) -> dict:
+                     workers: tuple | None = None, device: str | None = None) -> dict:
     """Policies side by side at several numbers of requests in flight (closed loop).
 
     Requests ask for `max_tokens` on average, each drawn (seeded, the same for every arm) from
@@ -227,14 +228,15 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     `dspark trace-summary`): where an arm trails, its trace says in which steps.
 
     With `workers` (`build_ray_workers`' pools, of `proposer`), every arm runs over them, one
-    after another: the service's path, Ray calls included. `off` then keeps the drafter idle."""
+    after another: the service's path, Ray calls included. `off` then keeps the drafter idle.
+    Otherwise the engines run in process on `device` (`Engine`'s; None: CUDA if any)."""
     labels = [label for label, _, _ in POLICY_ARMS]
     unknown = sorted(set(arms or ()) - set(labels))
     if unknown:
         raise ValueError(f"arms={unknown}: choose from {labels}")
     prompts = load_prompts(heldout_prompts_path())
     engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
-                             max_num_seqs=max(concurrencies), workers=workers)
+                             max_num_seqs=max(concurrencies), workers=workers, device=device)
                for label, policy, k in POLICY_ARMS if arms is None or label in arms}
     served = warm_up(engines, prompts, temperatures, max_tokens, max(concurrencies))
     results: dict[str, dict] = {}
@@ -269,8 +271,11 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     bar.close()
     _print_policy_table(results)
     out_dir.mkdir(parents=True, exist_ok=True)
+    hardware = ("ray workers" if workers is not None
+                else hardware_key(next(iter(engines.values())).target.device))
     (out_dir / "bench_policies.json").write_text(json.dumps(
-        {"proposer": proposer, "max_tokens": max_tokens, "results": results}, indent=2) + "\n")
+        {"proposer": proposer, "max_tokens": max_tokens, "hardware": hardware,
+         "results": results}, indent=2) + "\n")
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
     return results

@@ -23,6 +23,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=None)
     p.add_argument("--k", type=int, default=None, help="drafts per request (fixed) / block size")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
+    _device_arg(p)
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None,
+                   help="in-process workers: cpu, cuda or cuda:N (default: CUDA if any)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +80,7 @@ def _engine(a: argparse.Namespace):  # noqa: ANN202 - Engine imported lazily (to
 
     return Engine(
         target=a.target, proposer=a.proposer, drafter=a.drafter, policy=a.policy, k=a.k,
-        dtype=getattr(torch, a.dtype),
+        dtype=getattr(torch, a.dtype), device=a.device,
     )
 
 
@@ -147,10 +153,11 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from dspark.coordinator.engine import Engine
     from dspark.coordinator.profiler import plot, profile_workers
 
-    engine = Engine(target=a.target, proposer=a.proposer, drafter=a.drafter, policy="fixed")
+    engine = Engine(target=a.target, proposer=a.proposer, drafter=a.drafter, policy="fixed",
+                    device=a.device)
     proposer = None if a.proposer == "none" else engine.proposer
     cost = profile_workers(engine.target, proposer, b_max=a.b_max, n_max=a.n_max,
-                           repeats=a.repeats)
+                           repeats=a.repeats, device=engine.target.device)
     out = Path(a.out)
     cost.save(out / "cost_model.json")
     plot(cost, out / "cost_model.png")
@@ -173,7 +180,7 @@ def cmd_bench_policies(a: argparse.Namespace) -> int:
         run_policy_bench(proposer=a.proposer, concurrencies=concs, temperatures=temps,
                          max_tokens=a.max_tokens, out_dir=Path(a.out), repeats=a.repeats,
                          arms=arms, trace_dir=Path(a.trace_dir) if a.trace_dir else None,
-                         workers=workers)
+                         workers=workers, device=a.device)
     finally:
         if workers is not None:
             shutdown(workers, stop_ray=True)
@@ -382,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-actors", type=int, default=0,
                    help="run every arm over Ray worker pools (a local instance: a tp = 1 target "
                    "group and this many draft actors, shared by the arms); 0: in process")
+    _device_arg(p)
     p.set_defaults(fn=cmd_bench_policies)
 
     p = sub.add_parser("trace-summary",
@@ -398,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-max", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/profile")
+    _device_arg(p)
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("simulate", help="simulate a fleet: policies across load (docs/scale.md)")

@@ -32,6 +32,7 @@ from dspark import tensor_wire
 from dspark.faults import WorkerLost, WorkersUnavailable, first_line
 from dspark.messages import NewRequest, RemoteDraftProbs, VerifyPlan, VerifyResult
 from dspark.models.config import ModelConfig
+from dspark.models.device import resolve_device
 from dspark.target_worker.draft_probs import fetch_draft_probs
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class TargetActor:
         from dspark.target_worker.runner import TargetRunner
         from dspark.target_worker.tensor_parallel import TPGroup, TPTargetRunner
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device()
         if self.world_size == 1:
             self.runner = TargetRunner(
                 target_dir, num_blocks, block_size, dtype, device, hidden_layers
