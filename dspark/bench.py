@@ -262,12 +262,13 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
             # Paired: each round ran every arm once, close in time; the median of the per-round
             # ratios cancels the machine's slow drifts that a ratio of medians keeps.
             off = runs.get("off", [])
-            paired = [_rate(r) / _rate(o) for r, o in zip(runs[label], off, strict=False)]
+            paired = paired_ratios(runs[label], off)
             row[label]["x_off"] = statistics.median(paired) if off else float("nan")
             row[label]["x_off_ci"] = median_ci(paired) if off else [float("nan")] * 2
             row[label]["x_off_full"] = statistics.median(
                 _full_rate(r) / _full_rate(o) for r, o in zip(runs[label], off, strict=False)
             ) if off else float("nan")
+        _against_best_fixed(row, runs)
     bar.close()
     _print_policy_table(results)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -335,6 +336,35 @@ def rounds_for(conc: int, repeats: int) -> int:
     [20, 10, 5, 5]
     """
     return max(repeats, math.ceil(repeats * math.sqrt(16 / conc)))
+
+
+def paired_ratios(runs: list[dict], base: list[dict]) -> list[float]:
+    """Round by round, a run's tokens/s over `base`'s run of the same round."""
+    return [_rate(r) / _rate(b) for r, b in zip(runs, base, strict=False)]
+
+
+def best_fixed(row: dict[str, dict]) -> str | None:
+    """The fixed k of a cell with the highest `x off` (None if it ran none, or no `off`)."""
+    fixed = [label for label in row if label.startswith("fixed") and
+             not math.isnan(row[label]["x_off"])]
+    return max(fixed, key=lambda label: row[label]["x_off"], default=None)
+
+
+def _against_best_fixed(row: dict[str, dict], runs: dict[str, list[dict]]) -> None:
+    """Each arm that is not a fixed k against the cell's best fixed k (`best_fixed`), paired
+    round by round as `x off` is: `x_best_fixed` (the median ratio), its 95% interval and
+    `best_fixed` (the label). Dividing two arms' `x off` medians pairs neither with the other,
+    and the arms' rounds drift together on a shared machine (at 1 in flight `off` ran from 242
+    to 136 tokens/s within one cell)."""
+    best = best_fixed(row)
+    if best is None:
+        return
+    for label, r in row.items():
+        if label != "off" and not label.startswith("fixed"):
+            paired = paired_ratios(runs[label], runs[best])
+            r["best_fixed"] = best
+            r["x_best_fixed"] = statistics.median(paired)
+            r["x_best_fixed_ci"] = median_ci(paired)
 
 
 def median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
@@ -438,8 +468,10 @@ def _full_rate(run: dict) -> float:
 
 
 def _print_policy_table(results: dict) -> None:
+    """One line per cell and arm; `x best fixed` (paired, with its 95% interval) for the arms
+    that are not a fixed k, against the best fixed k of the cell."""
     print(f"\n{'T':<6}{'reqs':>5} {'policy':<16}{'tok/s':>8}{'x off':>7}{'95% CI':>13}{'full':>8}"
-          f"{'x off':>7}{'tau':>6}{'ver/step':>9}{'acc/pred':>9}")
+          f"{'x off':>7}{'tau':>6}{'ver/step':>9}{'acc/pred':>9}  x best fixed")
     for setting, by_conc in results.items():
         for conc, arms in by_conc.items():
             for label, r in arms.items():
@@ -453,7 +485,14 @@ def _print_policy_table(results: dict) -> None:
                       f"{r['x_off']:>7.2f}{f'[{lo:.2f},{hi:.2f}]':>13}"
                       f"{r['tokens_per_s_full']:>8.1f}{r['x_off_full']:>7.2f}"
                       f"{r['mean_accepted_length']:>6.2f}"
-                      f"{r['verified_per_step']:>9.1f}{ratio:>9.2f}")
+                      f"{r['verified_per_step']:>9.1f}{ratio:>9.2f}{_vs_best(r)}")
+
+
+def _vs_best(r: dict) -> str:
+    if "x_best_fixed" not in r:
+        return ""
+    lo, hi = r["x_best_fixed_ci"]
+    return f"  {r['x_best_fixed']:.2f} [{lo:.2f},{hi:.2f}] ({r['best_fixed']})"
 
 
 def _plot_policies(results: dict, path: Path) -> None:

@@ -75,6 +75,34 @@ def test_median_interval_covers_the_median_and_narrows_with_more_rounds() -> Non
     assert lo80 < 1.0 < hi80  # the true median, at this seed
 
 
+def test_arms_are_compared_with_the_best_fixed_k_round_by_round() -> None:
+    from dspark.bench import _against_best_fixed, best_fixed
+
+    def runs(rates: list[float]) -> list[dict]:
+        return [{"tokens": 100 * r, "seconds": 100.0} for r in rates]
+
+    # The machine slows down over the rounds; every arm's rate moves with it.
+    drift = [2.0, 1.5, 1.0, 0.8, 0.6]
+    versus_k3 = [1.1, 0.9, 0.92, 1.0, 0.95]  # confidence / fixed k = 3, round by round
+    rates = {"off": list(drift), "fixed k=3": [1.2 * d for d in drift],
+             "fixed k=7": [1.1 * d for d in drift],
+             "confidence": [1.2 * d * v for d, v in zip(drift, versus_k3, strict=True)]}
+    row = {label: {"x_off": 1.0 if label == "off" else r[0] / rates["off"][0]}
+           for label, r in rates.items()}
+    cell = {label: runs(r) for label, r in rates.items()}
+    assert best_fixed(row) == "fixed k=3"
+    _against_best_fixed(row, cell)
+    assert row["confidence"]["best_fixed"] == "fixed k=3"
+    # Paired: the median of the rounds' ratios, 0.95; the arms' median rates, unpaired, give
+    # 1.104 / 1.2 = 0.92.
+    assert math.isclose(row["confidence"]["x_best_fixed"], 0.95)
+    lo, hi = row["confidence"]["x_best_fixed_ci"]
+    assert lo <= 0.95 <= hi and 0.9 <= lo and hi <= 1.1
+    assert "x_best_fixed" not in row["fixed k=7"] and "x_best_fixed" not in row["off"]
+    # Without `off` (x off unknown) there is no best fixed k to compare with.
+    assert best_fixed({"fixed k=3": {"x_off": math.nan}}) is None
+
+
 def test_policy_bench_writes_each_arms_trace_per_cell_without_the_warm_up(tmp_path) -> None:
     from dspark.bench import output_lengths, rounds_for, run_policy_bench, trace_name
     from dspark.coordinator.trace import read_trace, steps_by_budget
