@@ -55,22 +55,29 @@ def test_profile_key_names_the_workers_device() -> None:
         assert cache_key(dirs, "cuda") != cache_key(dirs, "cpu")
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("proposer", ["dspark", "draft-model", "ngram"])
-def test_greedy_on_cuda_identical_to_target_alone(heldout_prompts: list[str],
-                                                  proposer: str) -> None:
-    # float64: a GPU's kernels change with the batch's shape (fp32 sums in another order), and
-    # only float64 keeps the near ties of a small model from flipping between shapes.
-    greedy = SamplingParams(temperature=0, max_tokens=48)
+GREEDY = SamplingParams(temperature=0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def float64_alone(heldout_prompts: list[str]) -> tuple[list[str], list[tuple[int, ...]]]:
+    """(prompts, the target alone's greedy tokens): float64, on the CPU, one request at a time.
+    float64 because a GPU's kernels change with the batch's shape (fp32 sums in another
+    order), and only float64 keeps the near ties of a small model from flipping between them."""
     prompts = heldout_prompts[:24]
     alone = Engine(proposer="none", policy="off", max_num_seqs=1, dtype=torch.float64,
                    device="cpu")
-    want = [o.token_ids for o in alone.generate(prompts, greedy)]
+    return prompts, [o.token_ids for o in alone.generate(prompts, GREEDY)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("proposer", ["dspark", "draft-model", "ngram"])
+def test_greedy_on_cuda_identical_to_target_alone(float64_alone, proposer: str) -> None:
+    prompts, want = float64_alone
     engine = Engine(proposer=proposer, policy="confidence", k=7, max_num_seqs=8,
                     dtype=torch.float64, device="cuda", cost_model=COST)
     assert engine.target.device == "cuda"
-    outs = engine.generate(prompts, greedy)
+    outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == want
     assert engine.stats.accepted_tokens > 0  # speculation ran, not only plain decoding
 
