@@ -79,10 +79,13 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
     return CostModel(key or hardware, monotone(verify), monotone(draft), meta)
 
 
-# Part of the cache key: a new method, or verbs made faster (v15: greedy verify passes judged
-# from their argmaxes), never reads old files.
-PROFILE_VERSION = "workers-v15"
+# Part of the cache key: a new method, or verbs made faster (v16: drafting rounds timed at the
+# profiled context, `_Contexts`), never reads old files.
+PROFILE_VERSION = "workers-v16"
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
+# Committed tokens a scratch request may gain over the profiled context before it is prefilled
+# afresh (`_Contexts`): the rounds are timed at `context` to `context` + CONTEXT_SLACK tokens
+CONTEXT_SLACK = 32
 DRAFT_SPAN = 4  # positions of the long profiled round; per position = (t(4) - t(1)) / 3
 
 
@@ -199,17 +202,10 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
     grid = draft_grid(n_max)
     span = DRAFT_SPAN if getattr(proposer, "sequential_drafts", False) else max(2, block)
     rows = _hidden_rows(hidden_width)
+    contexts = _Contexts(proposer, ids, params, prompt, rows)
     try:
-        for i, r in enumerate(ids):
-            proposer.add_request(NewRequest(r, (), params, seed=i))
-        # Prefill the context: every prompt position but the anchor has its target rows.
-        prompts = [prompt() for _ in ids]
-        proposer.propose(
-            [DraftQuery(r, p, 1, rows(len(p) - 1)) for r, p in zip(ids, prompts, strict=False)]
-        )
-        for r in ids:
-            proposer.commit(r, 0)
-        runs = [_round(proposer, ids[:n], k, rows) for n in grid for k in (1, span)]
+        contexts.fill(ids)
+        runs = [_round(proposer, ids[:n], k, rows, contexts) for n in grid for k in (1, span)]
         times = interleaved_medians(runs, repeats, desc=f"profile draft ({tag})")
         first = times[0::2]
         each = [
@@ -217,8 +213,7 @@ def _profile_rounds(proposer: Any, prompt: Any, n_max: int, repeats: int, sample
             for t1, tn in zip(times[0::2], times[1::2], strict=False)
         ]
     finally:
-        for r in ids:
-            proposer.release(r)
+        contexts.release()
     first, each = smooth_profile(grid, first, DENSE_DRAFT), smooth_profile(grid, each, DENSE_DRAFT)
     return monotone(_interpolate(grid, first)), monotone(_interpolate(grid, each))
 
@@ -253,14 +248,64 @@ def _hidden_rows(width: int) -> Callable[[int], torch.Tensor | None]:
     return rows
 
 
+class _Contexts:
+    """The drafting profile's scratch requests: each starts with a `prompt()` of committed
+    tokens (with their target rows, for a drafter that reads them) and gains CATCH_UP a round.
+    Before a run would take one past CONTEXT_SLACK gained tokens, that request is released and
+    prefilled afresh (untimed), so every round is timed at the profile's context. Left to grow,
+    the first requests (in every size's rounds) reached ~900 tokens at n_max = 64, and a round
+    pays for its longest context: 64 requests of the demo draft model drafted one position in
+    22 ms at 556 tokens against 14 ms at 256 (DSpark: 33 against 24), so large batches' rounds
+    were priced ~1.5x what they cost live, and the budget declined speculation that paid."""
+
+    def __init__(self, proposer: Any, ids: list[str], params: SamplingParams,
+                 prompt: Callable[[], tuple[int, ...]],
+                 rows: Callable[[int], torch.Tensor | None]) -> None:
+        self.proposer, self.ids, self.params, self.prompt, self.rows = (
+            proposer, ids, params, prompt, rows)
+        self.seeds = {r: i for i, r in enumerate(ids)}
+        self.gained: dict[str, int] = {}  # request -> committed tokens since its prefill
+
+    def fill(self, ids: list[str]) -> None:
+        """Prefill `ids` afresh: every prompt position but the anchor has its target rows."""
+        prompts = []
+        for r in ids:
+            if r in self.gained:
+                self.proposer.release(r)
+            self.proposer.add_request(NewRequest(r, (), self.params, seed=self.seeds[r]))
+            prompts.append(self.prompt())
+        self.proposer.propose(
+            [DraftQuery(r, p, 1, self.rows(len(p) - 1)) for r, p in zip(ids, prompts, strict=True)]
+        )
+        for r in ids:
+            self.proposer.commit(r, 0)
+            self.gained[r] = 0
+
+    def make_room(self, ids: list[str], rounds: int) -> None:
+        """Prefill afresh those of `ids` that `rounds` more rounds would take past the slack."""
+        full = [r for r in ids if self.gained[r] + rounds * CATCH_UP > CONTEXT_SLACK]
+        if full:
+            self.fill(full)
+
+    def grew(self, ids: list[str]) -> None:
+        for r in ids:
+            self.gained[r] += CATCH_UP
+
+    def release(self) -> None:
+        for r in self.gained:
+            self.proposer.release(r)
+        self.gained.clear()
+
+
 def _round(proposer: Any, ids: list[str], positions: int,
-           rows: Callable[[int], torch.Tensor | None]) -> Callable[[], float]:
+           rows: Callable[[int], torch.Tensor | None],
+           contexts: _Contexts | None = None) -> Callable[[], float]:
     """A steady drafting round over `ids`: one untimed round, then the timed one. The rounds
     of the profile run in a shuffled order of sizes up to n_max, so a round's own first call
     runs cold (the larger rounds before it evicted the drafter from the caches): at 1 in
     flight on a CPU that measured 1.7x the steady rounds of a request that drafts every step.
     The budget prices steady rounds with the profile and learns a cold round's premium online
-    (`Fit.resume_scale`)."""
+    (`Fit.resume_scale`). `contexts`: keeps the requests' context bounded (`_Contexts`)."""
     def one() -> float:
         queries = [DraftQuery(r, tuple(range(CATCH_UP)), positions, rows(CATCH_UP)) for r in ids]
         start = time.perf_counter()
@@ -268,9 +313,13 @@ def _round(proposer: Any, ids: list[str], positions: int,
         seconds = time.perf_counter() - start
         for r in ids:
             proposer.commit(r, 0)
+        if contexts is not None:
+            contexts.grew(ids)
         return seconds
 
     def run() -> float:
+        if contexts is not None:
+            contexts.make_room(ids, 2)
         one()
         return one()
 

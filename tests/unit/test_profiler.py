@@ -46,6 +46,31 @@ def test_worker_profile_fills_every_table_monotone_and_releases_its_requests(wor
     assert proposer.usage() == {"requests": [], "used_blocks": 0}
 
 
+def test_drafting_rounds_are_timed_at_the_profiled_context(workers) -> None:
+    """Each round adds CATCH_UP committed tokens to its requests; left alone, the requests in
+    every size's rounds grew by hundreds of tokens and the large rounds were priced at that
+    context. No round may start past `context` + CONTEXT_SLACK cached tokens."""
+    from dspark.coordinator.profiler import CONTEXT_SLACK
+
+    target, proposer = workers
+    seen: list[int] = []
+    propose = proposer.propose
+
+    def recording(queries):  # noqa: ANN001, ANN202
+        seen.extend(proposer.cache.length(q.req_id) for q in queries if q.new_token_ids)
+        return propose(queries)
+
+    proposer.propose = recording
+    try:
+        profile_workers(target, proposer, b_max=2, n_max=5, context=20, repeats=2)
+    finally:
+        del proposer.propose  # the class's method again
+    rounds = [n for n in seen if n > 0]  # a prefill starts from an empty cache
+    assert len(rounds) > 100  # the profile really ran many rounds on the same requests
+    assert max(rounds) <= 20 + CONTEXT_SLACK
+    assert proposer.usage() == {"requests": [], "used_blocks": 0}
+
+
 def test_verify_grid_is_dense_then_strided_and_ends_at_b_max() -> None:
     assert verify_grid(12) == list(range(1, 13))
     assert verify_grid(40) == list(range(1, 17)) + [24, 32, 40]
