@@ -255,14 +255,13 @@ class _Contexts:
     prefilled afresh (untimed), so every round is timed at the profile's context. Left to grow,
     the first requests (in every size's rounds) reached ~900 tokens at n_max = 64, and a round
     pays for its longest context: 64 requests of the demo draft model drafted one position in
-    22 ms at 556 tokens against 14 ms at 256 (DSpark: 33 against 24), so large batches' rounds
-    were priced ~1.5x what they cost live, and the budget declined speculation that paid."""
+    22 ms at 556 tokens against 14 ms at 256 (DSpark: 33 against 24), and the profile priced a
+    64-request DSpark round at 2.7x its cost at the stated context."""
 
     def __init__(self, proposer: Any, ids: list[str], params: SamplingParams,
                  prompt: Callable[[], tuple[int, ...]],
                  rows: Callable[[int], torch.Tensor | None]) -> None:
-        self.proposer, self.ids, self.params, self.prompt, self.rows = (
-            proposer, ids, params, prompt, rows)
+        self.proposer, self.params, self.prompt, self.rows = proposer, params, prompt, rows
         self.seeds = {r: i for i, r in enumerate(ids)}
         self.gained: dict[str, int] = {}  # request -> committed tokens since its prefill
 
@@ -292,7 +291,8 @@ class _Contexts:
             self.gained[r] += CATCH_UP
 
     def release(self) -> None:
-        for r in self.gained:
+        """Release every scratch request (a no-op for one never added)."""
+        for r in self.seeds:
             self.proposer.release(r)
         self.gained.clear()
 
