@@ -395,7 +395,8 @@ class Engine:
         backlog = [r.num_tokens - self._sent_to_drafter[r.req_id] for r in reqs]
         # The pass also carries every uncached committed token (prompts being prefilled).
         lengths = self.policy.draft_lengths([self._draft_cap(r) for r in reqs], req_ids, sampled,
-                                            backlog, sum(r.uncached_tokens for r in reqs))
+                                            backlog, sum(r.uncached_tokens for r in reqs),
+                                            queued=len(self._waiting))
         queries = []
         for r, n in zip(reqs, lengths, strict=True):
             if n == 0:

@@ -1,12 +1,13 @@
 """Verification policies: how many drafts each request gets verified in a step (DESIGN.md §2-3).
 
 One interface for every policy:
-- `draft_lengths(caps, req_ids, sampled, backlog, prompt_tokens)`: how many drafts to ask the
-  proposer for, per request (never above its cap, which comes from max_tokens and the context
-  length); `sampled` says whether any request samples (temperature > 0), which makes drafting
-  dearer; `backlog` counts each request's committed tokens the drafter has not taken in yet (a
-  round first catches up on them); `prompt_tokens` counts the tokens this step's verify pass
-  carries beyond one a request (prompts being prefilled), which it pays for whatever is drafted;
+- `draft_lengths(caps, req_ids, sampled, backlog, prompt_tokens, queued)`: how many drafts to
+  ask the proposer for, per request (never above its cap, which comes from max_tokens and the
+  context length); `sampled` says whether any request samples (temperature > 0), which makes
+  drafting dearer; `backlog` counts each request's committed tokens the drafter has not taken in
+  yet (a round first catches up on them); `prompt_tokens` counts the tokens this step's verify
+  pass carries beyond one a request (prompts being prefilled), which it pays for whatever is
+  drafted; `queued` counts the requests waiting for a place in the batch (None: not known);
 - `choose_budget(drafts)`: K, the total draft positions to verify this step;
 - `plan_verification(drafts, K)`: ℓ_r per request, Σ ℓ_r <= K, a prefix of each request's drafts;
 - `observe(step)`: feedback after commit (acceptance history for adaptive policies);
@@ -30,7 +31,7 @@ class Policy(ABC):
     @abstractmethod
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-        backlog: list[int] | None = None, prompt_tokens: int = 0,
+        backlog: list[int] | None = None, prompt_tokens: int = 0, queued: int | None = None,
     ) -> list[int]: ...
 
     @abstractmethod
@@ -57,7 +58,7 @@ class OffPolicy(Policy):
 
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-        backlog: list[int] | None = None, prompt_tokens: int = 0,
+        backlog: list[int] | None = None, prompt_tokens: int = 0, queued: int | None = None,
     ) -> list[int]:
         return [0] * len(caps)
 
@@ -80,7 +81,7 @@ class FixedPolicy(Policy):
 
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-        backlog: list[int] | None = None, prompt_tokens: int = 0,
+        backlog: list[int] | None = None, prompt_tokens: int = 0, queued: int | None = None,
     ) -> list[int]:
         return [min(self.k, c) for c in caps]
 

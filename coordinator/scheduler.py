@@ -90,6 +90,7 @@ class BudgetedPolicy(Policy):
         self.exploration = Exploration()  # probes' backoff, exploration stretches
         self._budget = 0
         self._idle = True  # the last step's budget before drafting was K = 0 (probes included)
+        self._queued: int | None = None  # requests waiting for a place (`draft_lengths`)
         self._planned: list[int] | None = None
         self._steps = 0  # steps planned so far (the stale rows' clock and the probe cadence)
         self._last_drafted: dict[str, int] = {}  # request -> the last step it drafted
@@ -144,7 +145,7 @@ class BudgetedPolicy(Policy):
         times = self.pricer.time_fit(num_reqs).candidate_times(verify, depths, first, each,
                                                                num_reqs, cold)
         times[0 if drafted else 1:] += catch_up
-        price = self.pricer.price_of_time(num_reqs)
+        price = self.pricer.price_of_time(num_reqs) if self._time_is_wanted(prompt_tokens) else None
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach; with the work
         # fixed, prompts' passes are paid whatever is chosen, so Θ* is the rate of decoding),
@@ -170,6 +171,19 @@ class BudgetedPolicy(Policy):
         if best == 0 or gain[best] < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
+
+    def _time_is_wanted(self, prompt_tokens: int) -> bool:
+        """Whether a second saved here goes to other work at the run's rate Θ*, which is then
+        the price of this step's time: while requests wait for a place in the batch, one that
+        finishes sooner lets the next start sooner. With none waiting (`queued` = 0), a freed
+        place stays empty, and the run ends when the requests present finish: each step then
+        takes the plan with the best tokens a second of its own, as the paper's budget does.
+        At Θ* those steps idled where drafting paid: a closed batch's last 2 requests at 4 in
+        flight (T = 0), with 9 tokens to go, priced at the 2–3-request steps' 0.75 tokens a
+        ms, idled at 0.41 where a round of 3 made 0.44 (and fixed k = 3's such steps 0.52).
+        A step that prefills keeps Θ*: its own ratio is low (the prompt's pass), and measured
+        against it drafts looked cheap. An unknown queue (None) counts as waiting."""
+        return self._queued is None or self._queued > 0 or prompt_tokens > 0
 
     def _note_margins(self, tokens: np.ndarray, times: np.ndarray, value: np.ndarray, best: int,
                       price: float | None, num_reqs: int, prompt_tokens: int) -> int | None:
@@ -214,9 +228,10 @@ class BudgetedPolicy(Policy):
     # --- the Policy interface ------------------------------------------------------------------
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-        backlog: list[int] | None = None, prompt_tokens: int = 0,
+        backlog: list[int] | None = None, prompt_tokens: int = 0, queued: int | None = None,
     ) -> list[int]:
         limits = [min(self.gamma, c) for c in caps]
+        self._queued = queued
         self._planned = None
         self._live = None
         self.pricer.sampled = sampled

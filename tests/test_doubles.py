@@ -18,7 +18,7 @@ class RandomPolicy(Policy):
 
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-        backlog: list[int] | None = None, prompt_tokens: int = 0,
+        backlog: list[int] | None = None, prompt_tokens: int = 0, queued: int | None = None,
     ) -> list[int]:
         return [self.rng.randint(0, min(self.k, c)) for c in caps]
 

@@ -206,7 +206,7 @@ def simulate(cfg: FleetConfig, workload: Workload, acceptance, trace=None) -> Si
                 lane.busy = False
                 continue
             lane.began = now
-            positions = lane.begin(block_of)
+            positions = lane.begin(block_of, len(fleet.queues[arg]))
             fleet.push(fleet.draft(lane, now, positions), DRAFTED, arg)
         elif kind == DRAFTED:
             lane.drafted_at = now

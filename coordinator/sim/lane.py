@@ -43,7 +43,8 @@ class OraclePolicy(ConfidencePolicy):
     name = "oracle"
 
     def draft_lengths(self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-                      backlog: list[int] | None = None, prompt_tokens: int = 0) -> list[int]:
+                      backlog: list[int] | None = None, prompt_tokens: int = 0,
+                      queued: int | None = None) -> list[int]:
         self._planned = None
         return [min(self.gamma, c) for c in caps]
 
@@ -143,8 +144,9 @@ class Lane:
         """Requests of the step under way that draft (after `begin`)."""
         return sum(1 for n in self._lengths if n > 0)
 
-    def begin(self, block_of) -> int:  # noqa: ANN001
-        """Plan drafting for the running requests; returns the round's depth (positions)."""
+    def begin(self, block_of, queued: int | None = None) -> int:  # noqa: ANN001
+        """Plan drafting for the running requests, `queued` more waiting for a place (as the
+        engine tells its policy); returns the round's depth (positions)."""
         self._reqs = list(self.running.values())
         ids = tuple(x.rid for x in self._reqs)
         caps = [0 if self.drafts_from_target and not x.prefilled
@@ -152,7 +154,8 @@ class Lane:
         # As the engine does, the policy learns what the pass carries beyond one token a
         # request: the prompts being prefilled (their time is paid whatever it plans).
         self.prefill_tokens = sum(x.req.prompt_len - 1 for x in self._reqs if not x.prefilled)
-        self._lengths = self.policy.draft_lengths(caps, ids, prompt_tokens=self.prefill_tokens)
+        self._lengths = self.policy.draft_lengths(caps, ids, prompt_tokens=self.prefill_tokens,
+                                                  queued=queued)
         self._block = block_of([x.acc_state for x in self._reqs])
         if self._block.max_drafts is not None:
             caps = self._block.max_drafts.tolist()

@@ -188,7 +188,7 @@ def test_an_idle_drafter_is_sent_nothing_until_it_drafts_again(tiny_dspark) -> N
     target_dir, drafter_dir = tiny_dspark
     engine = Engine(target_dir, proposer="dspark", drafter=drafter_dir, policy="fixed", k=3)
 
-    def idle_then_three(caps: list[int], *_: object) -> list[int]:
+    def idle_then_three(caps: list[int], *_: object, **__: object) -> list[int]:
         return [0 if 1 <= engine._step_no <= 4 else min(3, c) for c in caps]
 
     engine.policy.draft_lengths = idle_then_three  # type: ignore[method-assign]

@@ -39,7 +39,7 @@ class LookAheadPolicy(Policy):
 
     def draft_lengths(
         self, caps: list[int], req_ids: tuple[str, ...], sampled: bool = False,
-        backlog: list[int] | None = None, prompt_tokens: int = 0,
+        backlog: list[int] | None = None, prompt_tokens: int = 0, queued: int | None = None,
     ) -> list[int]:
         return [min(2, c) for c in caps]
 

@@ -451,6 +451,36 @@ def test_time_is_priced_at_the_runs_own_rate_once_steps_were_timed() -> None:
     assert policy.best_plan(easy, [3] * 4, cold=0.0, prompt_tokens=0) == (12, 3)
 
 
+def test_with_no_request_waiting_a_step_takes_its_own_best_ratio() -> None:
+    # Regression: the run's rate Θ* prices a step's time because, while requests wait, a second
+    # saved goes to other work at that rate. With none waiting it went nowhere, and at Θ* a
+    # closed batch's last requests idled where drafting made more tokens a second of their own
+    # (4 in flight, T = 0: 2 requests priced at the 2-3-request steps' 0.75 tokens a ms idled at
+    # 0.41, where a round made 0.44). Verify 1 + 0.01 B, a round 2 s. Steps of 3 requests (the
+    # same kind of batch as 2) committed 3 tokens in 1.03 s: Θ* = 2.91 a second. Two requests
+    # at 0.9 a position: K = 0 makes 2 in 1.02 s (1.96 a second), 6 slots 6.88 in 3.08 s (2.23);
+    # at Θ* the 4.88 tokens more are worth 0.64 s of the 2.06 s they take.
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
+                     draft_first=(2.0,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    three = ("a", "b", "c")
+    for _ in range(3):
+        policy.draft_lengths([3] * 3, three)
+        d = skipped_drafts(three)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        policy.observe(step_of(three, planned, [0] * 3))
+        policy.observe_time(1.03, 3, 0.0, 1.03)
+    assert policy.pricer.price_of_time(2) == pytest.approx(3 / 1.03)
+    easy = survivals_of(torch.full((2, 3), 0.9, dtype=torch.float64))
+    two = ("a", "b")
+    for queued, plan in ((None, (0, 0)), (1, (0, 0)), (0, (6, 3))):
+        policy.draft_lengths([3, 3], two, queued=queued)
+        assert policy.best_plan(easy, [3, 3], cold=0.0, prompt_tokens=0) == plan, queued
+    # A step that prefills keeps Θ* though none waits: against its own pass drafts look cheap.
+    policy.draft_lengths([3, 3], two, prompt_tokens=100, queued=0)
+    assert policy.best_plan(easy, [3, 3], cold=0.0) == (0, 0)
+
+
 def test_prefill_passes_stay_out_of_the_verify_scale() -> None:
     fit = StepTimeFit()
     for i in range(60):  # decode passes as profiled; every 6th step prefills at half its profile
