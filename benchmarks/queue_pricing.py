@@ -60,7 +60,9 @@ def engines_for(conc: int) -> dict[str, Engine]:
 
 
 def phase_rates(steps: list[StepTrace]) -> dict[str, float]:
-    """Tokens a ms in each closed batch's steps up to its last admission and after it."""
+    """Tokens a ms in each closed batch's steps up to its last admission and after it. A batch
+    starts at a step whose requests are all new, so at 1 in flight every request starts one
+    and the split says nothing there; read it at 4 or more."""
     starts = [i for i, s in enumerate(steps) if sum(s.new) == len(s.req_ids)] + [len(steps)]
     tokens, seconds = {"queued": 0, "after": 0}, {"queued": 0.0, "after": 0.0}
     for a, b in zip(starts, starts[1:], strict=False):
