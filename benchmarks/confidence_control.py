@@ -18,24 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from dspark.bench import (
-    _rate,
-    heldout_prompts_path,
-    interleaved_runs,
-    load_prompts,
-    median_ci,
-    trace_name,
-    warm_up,
-)
+from dspark.bench import against_arm, traced_rounds
 from dspark.coordinator.engine import Engine
 from dspark.coordinator.scheduler import ConfidencePolicy
-from dspark.coordinator.trace import TraceRecorder
 
 
 class WholeBlocks(ConfidencePolicy):
@@ -78,29 +67,14 @@ def main() -> None:
         f"fixed k={a.fixed}": Engine(proposer="dspark", policy="fixed", k=a.fixed,
                                      max_num_seqs=conc),
     }
-    prompts = load_prompts(heldout_prompts_path())
-    served = warm_up(engines, prompts, (temp,), a.max_tokens, conc)
-    for engine in engines.values():
-        engine.trace = TraceRecorder(meta={"temperature": temp, "in_flight": conc})
-    bar = tqdm(total=a.rounds * len(engines), desc="rounds", unit="run")
-    runs = interleaved_runs(engines, served, conc, temp, a.max_tokens, a.rounds, bar.update)
-    bar.close()
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for label, engine in engines.items():
-        assert engine.trace is not None
-        engine.trace.save(out / trace_name(temp, conc, label))
-        paired = [_rate(c) / _rate(r) for c, r in zip(runs["confidence"], runs[label],
-                                                          strict=True)]
-        results[label] = {"tokens_per_s": statistics.median(_rate(r) for r in runs[label]),
-                          "confidence_x": statistics.median(paired),
-                          "confidence_x_ci": median_ci(paired)}
+    runs = traced_rounds(engines, conc, temp, a.max_tokens, a.rounds, out)
+    results = against_arm(runs, "confidence")  # arm_x: confidence x this arm, paired
     print(f"{conc} in flight, T = {temp:g}, {a.rounds} rounds")
     for label, r in results.items():
-        low, high = r["confidence_x_ci"]
+        low, high = r["arm_x_ci"]
         print(f"  {label:20} {r['tokens_per_s']:7.1f} tok/s   confidence x this "
-              f"{r['confidence_x']:.3f} [{low:.3f}, {high:.3f}]")
+              f"{r['arm_x']:.3f} [{low:.3f}, {high:.3f}]")
     (out / "confidence_control.json").write_text(json.dumps(
         {"in_flight": conc, "temperature": temp, "rounds": a.rounds, "results": results},
         indent=2) + "\n")

@@ -16,24 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from dspark.bench import (
-    heldout_prompts_path,
-    interleaved_runs,
-    load_prompts,
-    median_ci,
-    paired_ratios,
-    trace_name,
-    warm_up,
-)
+from dspark.bench import against_arm, traced_rounds
 from dspark.coordinator.engine import Engine
 from dspark.coordinator.scheduler import ConfidencePolicy
-from dspark.coordinator.trace import StepTrace, TraceRecorder
+from dspark.coordinator.trace import StepTrace
 
 
 class QueueUnknown(ConfidencePolicy):
@@ -86,31 +76,18 @@ def main() -> None:
     torch.set_num_threads(1)
     conc, temp = a.concurrency, a.temperature
     engines = engines_for(conc)
-    served = warm_up(engines, load_prompts(heldout_prompts_path()), (temp,), a.max_tokens, conc)
-    for engine in engines.values():
-        engine.trace = TraceRecorder(meta={"temperature": temp, "in_flight": conc})
-    bar = tqdm(total=a.rounds * len(engines), desc="rounds", unit="run")
-    runs = interleaved_runs(engines, served, conc, temp, a.max_tokens, a.rounds, bar.update)
-    bar.close()
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    runs = traced_rounds(engines, conc, temp, a.max_tokens, a.rounds, out)
+    results = against_arm(runs, "confidence")  # arm_x: confidence x this arm, paired
     print(f"{conc} in flight, T = {temp:g}, {a.rounds} rounds")
     for label, engine in engines.items():
         assert engine.trace is not None
-        engine.trace.save(out / trace_name(temp, conc, label))
-        paired = paired_ratios(runs["confidence"], runs[label])
         rates = phase_rates(engine.trace.steps)
-        results[label] = {"tokens_per_s": statistics.median(r["tokens"] / r["seconds"]
-                                                            for r in runs[label]),
-                          "confidence_x": statistics.median(paired),
-                          "confidence_x_ci": median_ci(paired),
-                          "tokens_per_ms_queued": rates["queued"],
-                          "tokens_per_ms_after": rates["after"]}
         r = results[label]
-        low, high = r["confidence_x_ci"]
+        r["tokens_per_ms_queued"], r["tokens_per_ms_after"] = rates["queued"], rates["after"]
+        low, high = r["arm_x_ci"]
         print(f"  {label:14} {r['tokens_per_s']:7.1f} tok/s  confidence x this "
-              f"{r['confidence_x']:.3f} [{low:.3f}, {high:.3f}]  tokens a ms: "
+              f"{r['arm_x']:.3f} [{low:.3f}, {high:.3f}]  tokens a ms: "
               f"{rates['queued']:.3f} queued, {rates['after']:.3f} after the last admission")
     (out / "queue_pricing.json").write_text(json.dumps(
         {"in_flight": conc, "temperature": temp, "rounds": a.rounds, "results": results},

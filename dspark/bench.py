@@ -316,6 +316,25 @@ def interleaved_runs(engines: dict[str, Engine], served: list[str], conc: int,
     return runs
 
 
+def traced_rounds(engines: dict[str, Engine], conc: int, temperature: float, max_tokens: int,
+                  rounds: int, out: Path) -> dict[str, list[dict]]:
+    """The benchmarks' paired run of a few arms in one cell: `warm_up` on the held-out
+    prompts, then `interleaved_runs` with a progress bar, each arm's step trace recorded and
+    saved to `out` (`trace_name`). Returns the runs, round by round."""
+    served = warm_up(engines, load_prompts(heldout_prompts_path()), (temperature,), max_tokens,
+                     conc)
+    for engine in engines.values():
+        engine.trace = TraceRecorder(meta={"temperature": temperature, "in_flight": conc})
+    bar = tqdm(total=rounds * len(engines), desc="rounds", unit="run")
+    runs = interleaved_runs(engines, served, conc, temperature, max_tokens, rounds, bar.update)
+    bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    for label, engine in engines.items():
+        assert engine.trace is not None
+        engine.trace.save(out / trace_name(temperature, conc, label))
+    return runs
+
+
 def trace_name(temperature: float, conc: int, label: str) -> str:
     """The file name of one arm's trace in one cell (`run_policy_bench`'s `trace_dir`).
 
@@ -341,6 +360,18 @@ def rounds_for(conc: int, repeats: int) -> int:
 def paired_ratios(runs: list[dict], base: list[dict]) -> list[float]:
     """Round by round, a run's tokens/s over `base`'s run of the same round."""
     return [_rate(r) / _rate(b) for r, b in zip(runs, base, strict=False)]
+
+
+def against_arm(runs: dict[str, list[dict]], arm: str) -> dict[str, dict]:
+    """Per arm of `runs` (`interleaved_runs`' result): its median tokens/s, and `arm`'s paired
+    ratio to it (`arm_x`: the median over rounds, `arm_x_ci`: its 95% interval), as the
+    benchmarks that pair one policy against its variants report them."""
+    out = {}
+    for label, arm_runs in runs.items():
+        paired = paired_ratios(runs[arm], arm_runs)
+        out[label] = {"tokens_per_s": statistics.median(_rate(r) for r in arm_runs),
+                      "arm_x": statistics.median(paired), "arm_x_ci": median_ci(paired)}
+    return out
 
 
 def best_fixed(row: dict[str, dict]) -> str | None:

@@ -12,6 +12,7 @@ from budget_cases import drafts_of, skipped_drafts, step_of
 
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.policy import Policy
 from dspark.coordinator.scheduler import BudgetedPolicy, make_policy
 from dspark.coordinator.stale_history import survivals_of
 from dspark.coordinator.step_time_fit import Fit, StepTimeFit
@@ -419,6 +420,17 @@ def test_a_step_that_prefills_prices_its_drafts_against_its_whole_pass(name: str
     assert sync.pricer.step_time(4, [1, 0, 0, 0], depth=3) == pytest.approx(expected)
 
 
+def time_idle_steps(policy: Policy, ids: tuple[str, ...], seconds: float) -> None:
+    """Three steps of `ids` that verify nothing, each committing a token a request in `seconds`
+    (the engine reports each step's commit to `observe` before timing it)."""
+    for _ in range(3):
+        policy.draft_lengths([3] * len(ids), ids)
+        d = skipped_drafts(ids)
+        planned = policy.plan_verification(d, policy.choose_budget(d))
+        policy.observe(step_of(ids, planned, [0] * len(ids)))
+        policy.observe_time(seconds, len(ids), 0.0, seconds)
+
+
 def test_time_is_priced_at_the_runs_own_rate_once_steps_were_timed() -> None:
     # Regression: a step with a prompt in its pass has a long base and a low ratio of its own,
     # and maximising that ratio took drafts whose tokens came slower than the run's rate (draft
@@ -433,14 +445,7 @@ def test_time_is_priced_at_the_runs_own_rate_once_steps_were_timed() -> None:
     assert policy.pricer.price_of_time(4) is None  # nothing timed yet: the step's own ratio
     policy.draft_lengths([3] * 4, ids, prompt_tokens=600)
     assert policy.choose_budget(drafts_of(conf, ids)) > 0
-    # Steps of this batch size committed 4 tokens in 1.04 s (the engine reports each step's
-    # commit to `observe` before timing it).
-    for _ in range(3):
-        policy.draft_lengths([3] * 4, ids)
-        d = skipped_drafts(ids)
-        planned = policy.plan_verification(d, policy.choose_budget(d))
-        policy.observe(step_of(ids, planned, [0] * 4))
-        policy.observe_time(1.04, 4, 0.0, 1.04)
+    time_idle_steps(policy, ids, 1.04)  # steps of this batch size: 4 tokens in 1.04 s
     assert policy.pricer.price_of_time(4) == pytest.approx(4 / 1.04)
     assert policy.pricer.price_of_time(16) is None  # another size's steps are another rate
     policy.draft_lengths([3] * 4, ids, prompt_tokens=600)
@@ -463,13 +468,7 @@ def test_with_no_request_waiting_a_step_takes_its_own_best_ratio() -> None:
     cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
                      draft_first=(2.0,))
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
-    three = ("a", "b", "c")
-    for _ in range(3):
-        policy.draft_lengths([3] * 3, three)
-        d = skipped_drafts(three)
-        planned = policy.plan_verification(d, policy.choose_budget(d))
-        policy.observe(step_of(three, planned, [0] * 3))
-        policy.observe_time(1.03, 3, 0.0, 1.03)
+    time_idle_steps(policy, ("a", "b", "c"), 1.03)
     assert policy.pricer.price_of_time(2) == pytest.approx(3 / 1.03)
     easy = survivals_of(torch.full((2, 3), 0.9, dtype=torch.float64))
     two = ("a", "b")
