@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dspark.models.device import resolve_device
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -242,7 +244,7 @@ def interleaved_medians(fns: list[Callable[[], float | None]], repeats: int, see
 def hardware_key(device: str | None = None) -> str:
     """The hardware a profile was measured on: the GPU's name for a CUDA `device`, the CPU's
     architecture and torch threads for "cpu"; None: CUDA where present."""
-    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kind = torch.device(resolve_device(device))
     if kind.type == "cuda":
         return torch.cuda.get_device_name(kind).replace(" ", "-")
     return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
