@@ -62,8 +62,9 @@ def instrument(engine: Engine) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--proposer", default=None, help="dspark (default), draft-model or ngram")
     ap.add_argument("--policy", default="confidence")
-    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--k", type=int, default=None, help="the proposer's default if not given")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/step_phases.json")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    engine = Engine(policy=a.policy, k=a.k)
+    engine = Engine(proposer=a.proposer, policy=a.policy, k=a.k)
     prompts = load_prompts(heldout_prompts_path(), a.concurrency * (a.batches + 1))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True,
                             seed=1)
@@ -83,7 +84,7 @@ def main() -> None:
     steps = engine.stats.steps - steps0
     ms = {label: 1e3 * s / steps for label, s in seconds.items()}
     ms["coordinator (step - draft - verify)"] = ms["step"] - ms["draft"] - ms["verify"]
-    print(f"{a.policy} (k = {a.k}), {a.concurrency} in flight, T = {a.temperature}: "
+    print(f"{a.proposer or 'dspark'}, {a.policy} (k = {engine.max_k}), {a.concurrency} in flight, T = {a.temperature}: "
           f"{steps} steps")
     for label, value in sorted(ms.items(), key=lambda kv: -kv[1]):
         print(f"  {label:38s} {value:8.3f} ms a step")

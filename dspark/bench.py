@@ -1,12 +1,13 @@
 """Benchmarks of the in-process engine (scripts that print tables and write JSON + PNG).
 
-Arms are measured side by side in one run: for each prompt, every arm runs in turn, so the
-machine's noise falls on all arms alike. Speed is output tokens per wall-clock second of
-`Engine.generate` for one request at a time.
+Arms are measured side by side in one run: every arm serves the same requests at the same
+time, a step of each in turn (`stepwise_round`), so the machine's noise and drift fall on all
+arms alike. An arm's speed is its output tokens per second of its own engine calls.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import random
@@ -25,6 +26,8 @@ from dspark.coordinator.trace import TraceRecorder
 from dspark.demo import heldout_prompts_path
 from dspark.sampling_params import SamplingParams
 from dspark.training.prompts import load_prompts
+
+TURN_SECONDS = 0.02  # an arm's turn in `stepwise_round`: steps until it has run this long
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,13 @@ CORE_ARMS = (
 
 def _measure(engines: dict[str, Engine], prompts: list[str], params: SamplingParams,
              desc: str) -> dict[str, dict[str, float]]:
+    """One request in flight: each prompt served by every engine together (`stepwise_round`)."""
     totals = {label: {"tokens": 0, "seconds": 0.0, "passes": 0} for label in engines}
     for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
-        for label, engine in engines.items():
-            p = SamplingParams(**{**params.__dict__, "seed": None if params.greedy else i})
-            start = time.perf_counter()
-            out = engine.generate([prompt], p)[0]
-            totals[label]["seconds"] += time.perf_counter() - start
-            totals[label]["tokens"] += len(out.token_ids)
-            totals[label]["passes"] += int(out.stats["target_passes"])
+        p = SamplingParams(**{**params.__dict__, "seed": None if params.greedy else i})
+        for label, run in stepwise_round(engines, 1, [prompt], [p]).items():
+            for key in totals[label]:
+                totals[label][key] += run[key]
     return {
         label: {
             "tokens_per_s": t["tokens"] / t["seconds"],
@@ -217,18 +218,19 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     2,246 tokens, `confidence` in 25 of 730, and ran at 0.85x; 1.06x with spread lengths), and
     live traffic does not arrive in lockstep.
 
-    Each cell runs every arm once a round, `rounds_for(conc, repeats)` rounds, interleaved and
-    in a rotated order each round, and reports the median tokens/s: on a shared machine a load
-    spike then hits one run of one arm, not a whole arm. "x off" is the median over rounds of
-    each round's ratio to `off` (paired), which also cancels the machine's slower drifts, with
-    a 95% bootstrap interval for that median (`median_ci`).
+    Each cell runs `rounds_for(conc, repeats)` rounds, every arm serving each round's batch
+    together, a step of each in turn (`stepwise_round`), and reports the median tokens/s.
+    "x off" is the median over rounds of each round's ratio to `off` (paired), with a 95%
+    bootstrap interval for that median (`median_ci`): a shared machine's drift within a round
+    falls on every arm alike, so what the interval holds is mostly the rounds' texts.
 
     With `trace_dir`, each arm's steps in each cell (warm-up excluded) are also written there as
     a step trace, `T<t>_c<in flight>_<arm>.jsonl` (`coordinator/trace.py`; summarised by
     `dspark trace-summary`): where an arm trails, its trace says in which steps.
 
     With `workers` (`build_ray_workers`' pools, of `proposer`), every arm runs over them, one
-    after another: the service's path, Ray calls included. `off` then keeps the drafter idle.
+    whole run after another (their requests' names would collide in shared workers): the
+    service's path, Ray calls included. `off` then keeps the drafter idle.
     Otherwise the engines run in process on `device` (`Engine`'s; None: CUDA if any)."""
     labels = [label for label, _, _ in POLICY_ARMS]
     unknown = sorted(set(arms or ()) - set(labels))
@@ -251,7 +253,8 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
                     "proposer": proposer, "arm": label, "temperature": temperature,
                     "in_flight": conc, "max_tokens": max_tokens})
         runs = interleaved_runs(engines, served, conc, temperature, max_tokens,
-                                rounds_for(conc, repeats), bar.update)
+                                rounds_for(conc, repeats), bar.update,
+                                None if workers is not None else TURN_SECONDS)
         if trace_dir is not None:
             for label, engine in engines.items():
                 assert engine.trace is not None
@@ -276,6 +279,8 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
                 else hardware_key(next(iter(engines.values())).target.device))
     (out_dir / "bench_policies.json").write_text(json.dumps(
         {"proposer": proposer, "max_tokens": max_tokens, "hardware": hardware,
+         "schedule": ("whole runs in turn" if workers is not None
+                      else f"turns of {TURN_SECONDS * 1e3:g} ms"),
          "results": results}, indent=2) + "\n")
     _plot_policies(results, out_dir / "bench_policies.png")
     print(f"wrote {out_dir / 'bench_policies.json'} and {out_dir / 'bench_policies.png'}")
@@ -301,19 +306,63 @@ def warm_up(engines: dict[str, Engine], prompts: list[str], temperatures: tuple[
 
 def interleaved_runs(engines: dict[str, Engine], served: list[str], conc: int,
                      temperature: float, max_tokens: int, rounds: int,
-                     on_run: Callable[[], object] = lambda: None) -> dict[str, list[dict]]:
+                     on_run: Callable[[], object] = lambda: None,
+                     turn_seconds: float | None = TURN_SECONDS) -> dict[str, list[dict]]:
     """`rounds` rounds at `conc` in flight; each round serves its own closed batch
-    (`round_workload`) once with every engine, in an order rotated from round to round, so a
-    load spike hits one run of one arm and each round's runs can be compared paired. Returns
-    each engine's runs (`_policy_run`), round by round."""
+    (`round_workload`) once with every engine, and each round's runs are compared paired.
+    The engines serve it together, in turns of `turn_seconds` (`stepwise_round`); with None,
+    one whole run after another, in an order rotated from round to round (engines that share
+    worker pools: their requests' names would collide in the workers). Returns each engine's
+    runs (`_ArmRun.finish`'s fields), round by round."""
     labels = list(engines)
     runs: dict[str, list[dict]] = {label: [] for label in labels}
     for rep in range(rounds):
         batch, params = round_workload(served, max(2 * conc, 8), rep, temperature, max_tokens)
-        for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
-            runs[label].append(_policy_run(engines[label], conc, batch, params))
+        order = labels[rep % len(labels):] + labels[: rep % len(labels)]
+        if turn_seconds is None:
+            done = {label: _policy_run(engines[label], conc, batch, params) for label in order}
+        else:
+            done = stepwise_round({label: engines[label] for label in order}, conc, batch,
+                                  params, turn_seconds)
+        for label in labels:
+            runs[label].append(done[label])
             on_run()
     return runs
+
+
+def stepwise_round(engines: dict[str, Engine], conc: int, batch: list[str],
+                   params: list[SamplingParams], turn_seconds: float = TURN_SECONDS
+                   ) -> dict[str, dict]:
+    """One closed batch served by every engine at once, in turns: each engine steps until its
+    turn has run `turn_seconds` (one step at least; the first engine rotating from turn to
+    turn); each engine's time is the sum of its own calls (`_ArmRun`). Python's collector is
+    held off during the round (run before it), so none of its pauses lands in one arm's step.
+
+    A shared machine's speed drifts within a second (a round at 4 in flight lasts ~0.6 s): two
+    identical `off` engines' paired ratios spread with a standard deviation of 0.07–0.11 over
+    12–40 rounds at 1 and 4 in flight with one whole run after another, and of 0.016–0.024 in
+    turns (medians 1.001–1.010; `benchmarks/pairing_noise.py`). Turns are of time, not of
+    steps: an engine's weights and cache leave the CPU's caches while the others run, a cost
+    per turn, which with a turn a step an arm taking fewer, longer steps (speculation) would
+    pay less often per token than `off`. Measured, an engine whose steps are 4 of its steps
+    against an identical one: 0.95–1.04x in turns of a step, 0.98–1.01x in turns of 20 ms, a
+    bias too small to resolve at ±2%."""
+    gc.collect()
+    gc.disable()
+    try:
+        arms = {label: _ArmRun(engine, conc, batch, params) for label, engine in engines.items()}
+        labels = list(arms)
+        turn = 0
+        while live := [label for label in labels if arms[label].live]:
+            first = turn % len(live)
+            for label in live[first:] + live[:first]:
+                arm, spent = arms[label], 0.0
+                while arm.live and (spent == 0.0 or spent < turn_seconds):
+                    spent += arm.step()
+            turn += 1
+        return {label: arm.finish() for label, arm in arms.items()}
+    finally:
+        gc.enable()
 
 
 def traced_rounds(engines: dict[str, Engine], conc: int, temperature: float, max_tokens: int,
@@ -442,34 +491,63 @@ def output_lengths(n: int, mean: int, seed: int = 0) -> list[int]:
     return [rng.randint(max(1, mean // 2), max(1, mean * 3 // 2)) for _ in range(n)]
 
 
+class _ArmRun:
+    """One engine's run of a closed batch at `conc` in flight, step by step (`step` while
+    `live`, then `finish`), timing only the engine's own calls: admitting the requests, each
+    step, collecting the results. Apart, the steps that ran with every slot busy ("full"): a
+    closed batch drains at its end (the last requests run with fewer in flight, ~25-30% of a
+    run at 4 in flight), a phase a server under steady load does not have; the full steps
+    measure what the heading "N in flight" says."""
+
+    def __init__(self, engine: Engine, conc: int, batch: list[str],
+                 params: list[SamplingParams]) -> None:
+        self.engine, self.conc = engine, conc
+        engine.max_num_seqs = conc
+        self.before = engine.stats.as_dict()
+        start = time.perf_counter()
+        self.ids = [engine.add_request(p, sp) for p, sp in zip(batch, params, strict=False)]
+        self.seconds = time.perf_counter() - start
+        self.full_seconds, self.full_tokens = 0.0, 0
+
+    @property
+    def live(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> float:
+        """One engine step; returns its seconds."""
+        start = time.perf_counter()
+        state = self.engine.step()
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if state is not None and len(state.requests) == self.conc:
+            self.full_seconds += seconds
+            self.full_tokens += sum(len(s.committed) for s in state.requests)
+        return seconds
+
+    def finish(self) -> dict:
+        """The run's seconds, tokens, full steps and the engine's counters over it."""
+        engine = self.engine
+        start = time.perf_counter()
+        outs = [engine.result(engine.pop_finished(i)) for i in self.ids]
+        self.seconds += time.perf_counter() - start
+        after = engine.stats.as_dict()
+        return {
+            "seconds": self.seconds,
+            "tokens": sum(len(o.token_ids) for o in outs),
+            "full_seconds": self.full_seconds,
+            "full_tokens": self.full_tokens,
+            "passes": sum(int(o.stats["target_passes"]) for o in outs),
+            **{k: after[k] - self.before[k] for k in
+               ("steps", "verified_tokens", "accepted_tokens", "predicted_accepted")},
+        }
+
+
 def _policy_run(engine: Engine, conc: int, batch: list[str], params: list[SamplingParams]) -> dict:
-    """One closed batch at `conc` in flight: its whole run, and apart the steps that ran with
-    every slot busy ("full"). A closed batch drains at its end (the last requests run with
-    fewer in flight, ~25-30% of a run at 4 in flight), a phase a server under steady load does
-    not have; the full steps measure what the heading "N in flight" says."""
-    engine.max_num_seqs = conc
-    before = engine.stats.as_dict()
-    start = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p, sp in zip(batch, params, strict=False)]
-    full_seconds, full_tokens = 0.0, 0
-    while engine.has_unfinished():
-        clock = time.perf_counter()
-        state = engine.step()
-        if state is not None and len(state.requests) == conc:
-            full_seconds += time.perf_counter() - clock
-            full_tokens += sum(len(s.committed) for s in state.requests)
-    seconds = time.perf_counter() - start
-    outs = [engine.result(engine.pop_finished(i)) for i in ids]
-    after = engine.stats.as_dict()
-    return {
-        "seconds": seconds,
-        "tokens": sum(len(o.token_ids) for o in outs),
-        "full_seconds": full_seconds,
-        "full_tokens": full_tokens,
-        "passes": sum(int(o.stats["target_passes"]) for o in outs),
-        **{k: after[k] - before[k] for k in
-           ("steps", "verified_tokens", "accepted_tokens", "predicted_accepted")},
-    }
+    """One closed batch at `conc` in flight served by `engine` alone (`_ArmRun`)."""
+    run = _ArmRun(engine, conc, batch, params)
+    while run.live:
+        run.step()
+    return run.finish()
 
 
 def _merge_runs(runs: list[dict]) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dspark.bench import run_policy_bench
@@ -21,6 +22,9 @@ def test_policy_bench_runs_its_arms_over_the_given_workers(ray_instance, tmp_pat
         # Verified over the target group, drafted by the draft actor: the arms ran there.
         assert target.timing["verify_calls"] > 0
         assert sum(int(b["calls"]) for b in pool.busy()) > 0
-        assert (tmp_path / "bench_policies.json").is_file()
+        # Shared workers: one whole run after another (in turns, the arms' requests' names
+        # would collide in the workers).
+        saved = json.loads((tmp_path / "bench_policies.json").read_text())
+        assert saved["schedule"] == "whole runs in turn"
     finally:
         shutdown((target, pool))

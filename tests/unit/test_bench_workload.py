@@ -3,6 +3,7 @@ batch each round (`round_workload`), and the steps with every slot busy."""
 
 from __future__ import annotations
 
+import json
 import math
 
 from dspark.bench import output_lengths, round_workload
@@ -110,6 +111,8 @@ def test_policy_bench_writes_each_arms_trace_per_cell_without_the_warm_up(tmp_pa
     arms = ("off", "fixed k=3")
     run_policy_bench(concurrencies=(1,), temperatures=(0.0,), max_tokens=4, repeats=1,
                      arms=arms, out_dir=tmp_path, trace_dir=tmp_path / "traces")
+    assert json.loads((tmp_path / "bench_policies.json").read_text())["schedule"] == (
+        "turns of 20 ms")  # in process: the arms serve each round together
     served = sum(sum(output_lengths(8, 4, seed=rep)) for rep in range(rounds_for(1, 1)))
     for label in arms:
         trace = read_trace(tmp_path / "traces" / trace_name(0.0, 1, label))
@@ -120,3 +123,51 @@ def test_policy_bench_writes_each_arms_trace_per_cell_without_the_warm_up(tmp_pa
             assert kinds == {"prefill", "K=0"}
         else:  # k = 3, fewer only where a request has fewer tokens left
             assert "K=3" in kinds and kinds <= {"prefill", "K=0", "K=1", "K=2", "K=3"}
+
+
+def test_arms_of_a_round_take_steps_in_turn_and_serve_what_they_serve_alone(tiny_pair) -> None:
+    import time
+
+    from dspark.bench import _policy_run, stepwise_round
+    from dspark.coordinator.engine import Engine
+    from dspark.sampling_params import SamplingParams
+
+    target, drafter = tiny_pair
+
+    def engines() -> dict[str, Engine]:
+        return {"off": Engine(target, proposer="none", policy="off"),
+                "k=3": Engine(target, proposer="draft-model", drafter=drafter, policy="fixed",
+                              k=3)}
+
+    prompts = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate((4, 12, 20))]
+    together = engines()
+    calls: list[str] = []
+    for label, engine in together.items():
+        def step(engine: Engine = engine, label: str = label) -> object:
+            calls.append(label)
+            return type(engine).step(engine)
+        engine.step = step  # type: ignore[method-assign]
+    start = time.perf_counter()
+    runs = stepwise_round(together, 2, prompts, params, turn_seconds=0.0)  # a step a turn
+    wall = time.perf_counter() - start
+    alone = {label: _policy_run(e, 2, prompts, params) for label, e in engines().items()}
+    for label, run in runs.items():
+        # Taking turns changes no engine's work: the same steps, tokens and passes (sampled,
+        # seeded: the same draws) as the engine serving the batch alone.
+        for key in ("tokens", "steps", "passes", "verified_tokens", "accepted_tokens"):
+            assert run[key] == alone[label][key], (label, key)
+        assert 0 < run["seconds"]
+    assert sum(r["seconds"] for r in runs.values()) <= wall  # each counts its own calls only
+    # While both are live they alternate, the first of each turn rotating; `off`, with more
+    # steps to take, finishes alone.
+    both = 2 * runs["k=3"]["steps"]
+    assert calls[:both:2] == ["off", "k=3"] * (both // 4) + ["off"] * (both // 2 % 2)
+    assert all(calls[i] != calls[i + 1] for i in range(0, both, 2))
+    assert calls[both:] == ["off"] * (runs["off"]["steps"] - runs["k=3"]["steps"])
+    # A turn lasts `turn_seconds` of the engine's own steps: one longer than any run is a
+    # whole run, the first engine's first.
+    calls.clear()
+    runs = stepwise_round(together, 2, prompts, params, turn_seconds=3600.0)
+    assert calls == ["off"] * runs["off"]["steps"] + ["k=3"] * runs["k=3"]["steps"]
