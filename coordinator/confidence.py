@@ -170,9 +170,10 @@ class AcceptanceTracker:
 
     def observe(self, step: StepState) -> None:
         for s in step.requests:
-            queues = self._requests.setdefault(
-                s.req_id, [_Queue(self._request_window) for _ in range(self.max_draft)]
-            )
+            queues = self._requests.get(s.req_id)
+            if queues is None:  # not `setdefault`: its default would be built every step
+                queues = self._requests[s.req_id] = [
+                    _Queue(self._request_window) for _ in range(self.max_draft)]
             # Positions 1..A+1 were reached (A accepted, then the first rejection, if ℓ > A).
             head = self._raw.get(s.req_id)
             for j in range(min(s.num_planned, s.num_accepted + 1)):

@@ -395,10 +395,10 @@ def trace_name(temperature: float, conc: int, label: str) -> str:
 
 def rounds_for(conc: int, repeats: int) -> int:
     """Rounds a cell runs: `repeats`, more where runs are short. A round's paired ratio to
-    `off` spreads by ±10–30% on a shared 2-core machine (one run at 1 in flight lasts ~1 s, and
-    a load spike or a hard text moves it), so 5 rounds leave the median uncertain by ~10%;
-    1 and 4 in flight get 4x and 2x the rounds, and still take less time than a 64-in-flight
-    cell's 5 (3 and 3.5 minutes against 7 here).
+    `off` moves with its text (a few requests at 1–4 in flight: fixed k = 1 with the draft
+    model, 4 in flight, spread with a standard deviation of ~0.05 over rounds served in turns,
+    `stepwise_round`), so 1 and 4 in flight get 4x and 2x the rounds, and still take less time
+    than a 64-in-flight cell's 5 (3 and 3.5 minutes against 7 here).
 
     >>> [rounds_for(c, 5) for c in (1, 4, 16, 64)]
     [20, 10, 5, 5]
