@@ -28,15 +28,15 @@ from dspark.demo import heldout_prompts_path
 from dspark.messages import StepState
 from dspark.training.prompts import load_prompts
 
-STEPS_A_TURN = 4
+STEPS_IN_ONE = 4
 
 
 class LongSteps(Engine):
-    """An engine whose every step is up to STEPS_A_TURN of its steps."""
+    """An engine whose every step is up to STEPS_IN_ONE of its steps."""
 
     def step(self) -> StepState | None:
         state = super().step()
-        for _ in range(STEPS_A_TURN - 1):
+        for _ in range(STEPS_IN_ONE - 1):
             if not self.has_unfinished():
                 break
             super().step()
@@ -66,16 +66,16 @@ def main() -> None:
         return cls(proposer="none", policy="off", max_num_seqs=conc)
 
     a_a = {"off": off(), "off again": off()}
-    long = {"off": a_a["off"], f"off, {STEPS_A_TURN}-step steps": off(LongSteps)}
+    long = {"off": a_a["off"], f"off, {STEPS_IN_ONE}-step steps": off(LongSteps)}
     served = warm_up({**a_a, **long}, load_prompts(heldout_prompts_path()), (0.0,), 32, conc)
     bar = tqdm(total=8 * a.rounds, desc="rounds", unit="run")
     ms = f"{TURN_SECONDS * 1e3:g} ms"
     table = {
         "A/A, whole runs in turn": pairing(a_a, served, conc, a.rounds, None, bar),
         f"A/A, turns of {ms}": pairing(a_a, served, conc, a.rounds, TURN_SECONDS, bar),
-        f"{STEPS_A_TURN}-step / 1, turns of a step": pairing(long, served, conc, a.rounds, 0.0,
+        f"{STEPS_IN_ONE}-step / 1, turns of a step": pairing(long, served, conc, a.rounds, 0.0,
                                                              bar),
-        f"{STEPS_A_TURN}-step / 1, turns of {ms}": pairing(long, served, conc, a.rounds,
+        f"{STEPS_IN_ONE}-step / 1, turns of {ms}": pairing(long, served, conc, a.rounds,
                                                           TURN_SECONDS, bar),
     }
     bar.close()

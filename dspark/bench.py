@@ -1,8 +1,9 @@
 """Benchmarks of the in-process engine (scripts that print tables and write JSON + PNG).
 
 Arms are measured side by side in one run: every arm serves the same requests at the same
-time, a step of each in turn (`stepwise_round`), so the machine's noise and drift fall on all
-arms alike. An arm's speed is its output tokens per second of its own engine calls.
+time, each stepping in turns of TURN_SECONDS (`stepwise_round`), so the machine's noise and
+drift fall on all arms alike. An arm's speed is its output tokens per second of its own
+engine calls.
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     live traffic does not arrive in lockstep.
 
     Each cell runs `rounds_for(conc, repeats)` rounds, every arm serving each round's batch
-    together, a step of each in turn (`stepwise_round`), and reports the median tokens/s.
+    together in turns of TURN_SECONDS of its steps (`stepwise_round`), and reports the median
+    tokens/s.
     "x off" is the median over rounds of each round's ratio to `off` (paired), with a 95%
     bootstrap interval for that median (`median_ci`): a shared machine's drift within a round
     falls on every arm alike, so what the interval holds is mostly the rounds' texts.
