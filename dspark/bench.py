@@ -342,13 +342,15 @@ def stepwise_round(engines: dict[str, Engine], conc: int, batch: list[str],
 
     A shared machine's speed drifts within a second (a round at 4 in flight lasts ~0.6 s): two
     identical `off` engines' paired ratios spread with a standard deviation of 0.07–0.11 over
-    12–40 rounds at 1 and 4 in flight with one whole run after another, and of 0.016–0.024 in
+    8–40 rounds at 1–16 in flight with one whole run after another, and of 0.016–0.024 in
     turns (medians 1.001–1.010; `benchmarks/pairing_noise.py`). Turns are of time, not of
     steps: an engine's weights and cache leave the CPU's caches while the others run, a cost
     per turn, which with a turn a step an arm taking fewer, longer steps (speculation) would
-    pay less often per token than `off`. Measured, an engine whose steps are 4 of its steps
-    against an identical one: 0.95–1.04x in turns of a step, 0.98–1.01x in turns of 20 ms, a
-    bias too small to resolve at ±2%."""
+    pay less often per token than `off` (a lone request's first step in a turn took 0.66 ms
+    more than its next ones with 7 engines taking turns, 0.31 with 2). Measured, an engine
+    whose steps are 4 of its steps against an identical one: 0.95–1.04x in turns of a step;
+    in turns of 20 ms 0.98–1.03x over seven runs at 1–64 in flight, with 2 engines or with 7
+    (as many as a bench's arms), in both directions: no bias resolved beyond ±2%."""
     gc.collect()
     gc.disable()
     try:
