@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 import dspark.coordinator.engine as engine_module
-from dspark.bench import POLICY_ARMS, interleaved_runs, warm_up
+from dspark.bench import interleaved_runs, policy_engines, warm_up
 from dspark.coordinator.engine import Engine
 from dspark.demo import heldout_prompts_path
 from dspark.training.prompts import load_prompts
@@ -97,15 +97,11 @@ def main() -> None:
     ap.add_argument("--out", default="runs/step_phases.json")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    known = {label: (policy, k) for label, policy, k in POLICY_ARMS}
-    labels = [label.strip() for label in a.arms.split(",")]
-    unknown = [label for label in labels if label not in known]
-    if unknown:
-        ap.error(f"--arms: unknown {unknown}; choose from {list(known)}")
     conc = a.concurrency
-    engines = {label: Engine(proposer="none" if known[label][0] == "off" else a.proposer,
-                             policy=known[label][0], k=known[label][1], max_num_seqs=conc)
-               for label in labels}
+    try:
+        engines = policy_engines(a.proposer, tuple(x.strip() for x in a.arms.split(",")), conc)
+    except ValueError as e:
+        ap.error(f"--arms: {e}")
     served = warm_up(engines, load_prompts(heldout_prompts_path()), (a.temperature,),
                      a.max_tokens, conc)
     stepping: list[dict[str, float]] = []

@@ -203,6 +203,19 @@ POLICY_ARMS = (
 )
 
 
+def policy_engines(proposer: str, arms: tuple[str, ...] | None, max_num_seqs: int,
+                   workers: tuple | None = None, device: str | None = None) -> dict[str, Engine]:
+    """An engine per arm of POLICY_ARMS named in `arms` (None: all), in that order, drafting
+    with `proposer` (`off` with none); ValueError naming any arm it does not know."""
+    labels = [label for label, _, _ in POLICY_ARMS]
+    unknown = sorted(set(arms or ()) - set(labels))
+    if unknown:
+        raise ValueError(f"arms={unknown}: choose from {labels}")
+    return {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
+                          max_num_seqs=max_num_seqs, workers=workers, device=device)
+            for label, policy, k in POLICY_ARMS if arms is None or label in arms}
+
+
 def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = (1, 4, 16, 64),
                      temperatures: tuple[float, ...] = (0.0, 1.0), max_tokens: int = 48,
                      out_dir: Path = Path("runs/bench_policies"), repeats: int = 3,
@@ -234,14 +247,8 @@ def run_policy_bench(proposer: str = "dspark", concurrencies: tuple[int, ...] = 
     whole run after another (their requests' names would collide in shared workers): the
     service's path, Ray calls included. `off` then keeps the drafter idle.
     Otherwise the engines run in process on `device` (`Engine`'s; None: CUDA if any)."""
-    labels = [label for label, _, _ in POLICY_ARMS]
-    unknown = sorted(set(arms or ()) - set(labels))
-    if unknown:
-        raise ValueError(f"arms={unknown}: choose from {labels}")
+    engines = policy_engines(proposer, arms, max(concurrencies), workers, device)
     prompts = load_prompts(heldout_prompts_path())
-    engines = {label: Engine(proposer="none" if policy == "off" else proposer, policy=policy, k=k,
-                             max_num_seqs=max(concurrencies), workers=workers, device=device)
-               for label, policy, k in POLICY_ARMS if arms is None or label in arms}
     served = warm_up(engines, prompts, temperatures, max_tokens, max(concurrencies))
     results: dict[str, dict] = {}
     cells = [(t, c) for t in temperatures for c in concurrencies]

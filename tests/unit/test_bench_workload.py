@@ -171,3 +171,12 @@ def test_arms_of_a_round_take_steps_in_turn_and_serve_what_they_serve_alone(tiny
     calls.clear()
     runs = stepwise_round(together, 2, prompts, params, turn_seconds=3600.0)
     assert calls == ["off"] * runs["off"]["steps"] + ["k=3"] * runs["k=3"]["steps"]
+
+
+def test_an_unknown_arm_is_named_before_any_engine_is_built() -> None:
+    import pytest
+
+    from dspark.bench import policy_engines
+
+    with pytest.raises(ValueError, match=r"arms=\['fixed k=9'\]: choose from \['off'"):
+        policy_engines("dspark", ("off", "fixed k=9"), 4)
