@@ -135,16 +135,19 @@ class BudgetedPolicy(Policy):
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self.pricer.prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
-        counts, accepted, depths = candidate_plans(a, pos, drafted is not None or num_reqs == 1)
+        prefixes = drafted is not None or num_reqs == 1
+        counts, accepted, depths = candidate_plans(a, pos, prefixes)
         if drafted is not None:
             depths = np.full(counts.size, drafted)
         tokens = num_reqs + accepted  # [n] expected tokens committed
-        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1,
-                                        self.pricer.sampled)[counts]
+        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1, self.pricer.sampled)
+        if not prefixes:  # a prefix's count is its index: the slice is in candidate order
+            verify = verify[counts]
         first, each = self.cost.draft_costs(num_reqs, self.pricer.sampled)
         times = self.pricer.time_fit(num_reqs).candidate_times(verify, depths, first, each,
                                                                num_reqs, cold)
-        times[0 if drafted else 1:] += catch_up
+        if catch_up:
+            times[0 if drafted else 1:] += catch_up
         price = self.pricer.price_of_time(num_reqs) if self._time_is_wanted(prompt_tokens) else None
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach; with the work
@@ -156,19 +159,20 @@ class BudgetedPolicy(Policy):
         # steps); a decode step whose own ratio is above the run's declined drafts that paid
         # at the run's rate (16 in flight, T = 1: 11.5 drafts verified a step against 37
         # priced at Θ*, 1.015x against 1.035x `off` side by side).
-        if price is None:  # before steps of this kind were timed: each step's own ratio
-            value = tokens / times
-            gain = value / value[0] - 1.0
-        else:
-            value = tokens - price * times
-            gain = (value - value[0]) / (price * times)  # the ratio test's terms where Θ* = Θ(0)
+        # (Before steps of this kind were timed, price is None: each step's own ratio.)
+        value = tokens / times if price is None else tokens - price * times
         best = int(value.argmax())  # the first maximum: the shallowest, smallest K on ties
         if drafted is None:
             rival = self._note_margins(tokens, times, value, best, price, num_reqs,
                                        prompt_tokens)
             if rival is not None and self.exploration.exploring_rounds:
                 return int(counts[rival]), int(depths[rival])
-        if best == 0 or gain[best] < margin:
+        if best == 0:
+            return 0, 0
+        # The gain over K = 0, in the ratio test's terms where Θ* = Θ(0)
+        gain = (float(value[best] / value[0]) - 1.0 if price is None
+                else float((value[best] - value[0]) / (price * times[best])))
+        if gain < margin:
             return 0, 0
         return int(counts[best]), int(depths[best])
 

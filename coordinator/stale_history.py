@@ -37,23 +37,30 @@ class StaleRow:
     def __init__(self, long_run: bool = False) -> None:
         """`long_run`: also keep `long_run`, the same rows' average at LONG_RUN (~50 rows): the
         batch means' is the row of a request without rows of its own."""
-        self._recent: deque[tuple[int, np.ndarray]] = deque()  # (step, row [γ]), not yet read
-        self.value: np.ndarray | None = None  # [γ]
-        self.long_run: np.ndarray | None = None  # [γ], kept only if asked for
+        self._recent: deque[tuple[int, list[float]]] = deque()  # (step, row [γ]), not yet read
+        self.value: list[float] | None = None  # [γ]
+        self.long_run: list[float] | None = None  # [γ], kept only if asked for
         self._keeps_long_run = long_run
         self._step = 0  # the step of the newest row in `value`
 
-    def push(self, step: int, row: np.ndarray) -> None:
+    def push(self, step: int, row: list[float]) -> None:
         self._recent.append((step, row))
 
-    def value_at(self, step: int) -> np.ndarray | None:
+    def value_at(self, step: int) -> list[float] | None:
+        # Plain floats: rows of γ numbers, read and pushed every step, where each numpy call
+        # costs more than the arithmetic (~5 µs with the caches a forward pass left cold).
         while self._recent and self._recent[0][0] <= step - STALE_STEPS:
             pushed, old = self._recent.popleft()
-            keep = 0.0 if self.value is None else (1 - SMOOTHING) ** max(1, pushed - self._step)
-            self.value = old if self.value is None else (1 - keep) * old + keep * self.value
+            if self.value is None:
+                self.value = old
+            else:
+                keep = (1 - SMOOTHING) ** max(1, pushed - self._step)
+                self.value = [(1 - keep) * o + keep * v
+                              for o, v in zip(old, self.value, strict=True)]
             if self._keeps_long_run:
-                self.long_run = (old if self.long_run is None
-                                 else LONG_RUN * old + (1 - LONG_RUN) * self.long_run)
+                self.long_run = (old if self.long_run is None else
+                                 [LONG_RUN * o + (1 - LONG_RUN) * v
+                                  for o, v in zip(old, self.long_run, strict=True)])
             self._step = pushed
         return self.value
 
@@ -94,7 +101,7 @@ class SurvivalHistory:
             return np.zeros((0, self.gamma))
         return np.array(rows)
 
-    def fallback_row(self, step: int) -> np.ndarray:  # [γ]
+    def fallback_row(self, step: int) -> list[float]:  # [γ]
         """The row of a request without rows of its own: the batch means' long-run average,
         else the tracker's global rates (its documented prior for a new deployment).
 
@@ -105,7 +112,7 @@ class SurvivalHistory:
         self.batch.value_at(step)  # takes in the rows two steps old
         row = self.batch.long_run
         if row is None:
-            row = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0]
+            row = survivals_of(self.tracker.global_rates()[None, : self.gamma])[0].tolist()
         return row
 
     def remember(self, req_ids: tuple[str, ...], survivals: np.ndarray, step: int,
@@ -115,29 +122,34 @@ class SurvivalHistory:
         d < γ is continued past d with the tracker's realised conditional rates, so a shallow
         step does not read as "never accepted deeper" (the depth would then only ever shrink).
         Rows with nothing drafted leave their history as it is: a missing draft is no evidence
-        at all."""
-        width = min(self.gamma, survivals.shape[1])
+        at all. survivals: [num_reqs, width]."""
+        gamma = self.gamma
+        width = min(gamma, survivals.shape[1])
         counts = [width] * len(req_ids) if counts is None else [min(c, width) for c in counts]
         if not any(counts):  # an idle step (most steps where speculation does not pay)
             return
-        padded = np.zeros((len(req_ids), self.gamma))
         rates = None  # [γ] the tracker's conditional rates, read only for a shallow row
-        for i, c in enumerate(counts):
-            if c > 0:
-                padded[i, :c] = survivals[i, :c]
-            if 0 < c < self.gamma:
+        total = [0.0] * gamma  # Σ of the pushed rows, for the batch mean
+        pushed = 0
+        for r, row, c in zip(req_ids, survivals.tolist(), counts, strict=True):
+            if c == 0:
+                continue
+            row = row[:c]
+            if c < gamma:
                 if rates is None:
-                    rates = self.tracker.global_rates()[: self.gamma]
-                padded[i, c:] = survivals[i, c - 1] * np.cumprod(rates[c:])
-        fresh = [c > 0 for c in counts]
+                    rates = self.tracker.global_rates()[:gamma].tolist()
+                last, product = row[-1], 1.0
+                for rate in rates[c:]:
+                    product *= rate
+                    row.append(last * product)
+            history = self.rows.get(r)
+            if history is None:
+                history = self.rows[r] = StaleRow()
+            history.push(step, row)
+            total = [t + x for t, x in zip(total, row, strict=True)]
+            pushed += 1
         self.last_push = step
-        for r, row, ok in zip(req_ids, padded, fresh, strict=True):
-            if ok:
-                history = self.rows.get(r)
-                if history is None:
-                    history = self.rows[r] = StaleRow()
-                history.push(step, row)
-        self.batch.push(step, padded[fresh].sum(axis=0) / sum(fresh))
+        self.batch.push(step, [t / pushed for t in total])
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's rows."""

@@ -16,6 +16,8 @@ a sync (tens of µs). It cannot pay at these sizes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
@@ -73,19 +75,19 @@ def _allocate_numpy(
 
 def allocate_survivals(
     survivals: np.ndarray,  # [num_reqs, width] float64 survivals (not conditional confidences)
-    limits: ArrayLike,  # [num_reqs] admissible drafts per request, within [0, width]
+    limits: Sequence[int] | np.ndarray,  # [num_reqs] admissible drafts, within [0, width]
     budget: int,
 ) -> np.ndarray:  # [num_reqs] int64 counts, Σ = min(budget, Σ limits)
     """Counts of the first `budget` slots of `rank_slots`: `allocate` for a caller that holds
     survivals in numpy already (the scheduler, every step). A budget of no slot or of every slot,
     or of a lone request's slots (a prefix of its positions), needs no ranking."""
+    if len(limits) == 1:  # a lone request's slots are its positions in order
+        return np.array([max(0, min(budget, int(limits[0])))], dtype=np.int64)
     limits = np.asarray(limits, dtype=np.int64)
     if budget <= 0:
         return np.zeros_like(limits)
     if budget >= int(limits.sum()):
         return limits.copy()
-    if limits.size == 1:  # a lone request's slots are its positions in order
-        return np.array([budget], dtype=np.int64)
     chosen = rank_slots(survivals, limits)[2][:budget]
     return np.bincount(chosen, minlength=survivals.shape[0]).astype(np.int64)
 

@@ -105,7 +105,7 @@ def test_stale_row_reads_rows_two_steps_old_and_averages_them() -> None:
     # The long-run average takes in the same rows, each at LONG_RUN (a new request's prior).
     np.testing.assert_allclose(row.long_run, LONG_RUN * two + (1 - LONG_RUN) * one,
                                rtol=0, atol=1e-15)
-    before = row.value_at(7)
+    before = np.array(row.value_at(7))
     row.push(20, one)  # a probe after an idle stretch: readable two steps later, not two pushes
     np.testing.assert_array_equal(row.value_at(21), before)
     # 15 steps after the row before it, it all but replaces the average (weight 1 − 0.7^15).
@@ -269,7 +269,7 @@ def test_a_new_request_starts_from_the_long_run_row_not_the_last_requests_last_b
         policy.plan_verification(d, k)
         policy.observe(step_of(ids, [k], [0], finished=step == 39))
     assert k == 0  # a's hard blocks idled it
-    recent = policy.history.batch.value
+    recent = np.array(policy.history.batch.value)
     assert policy.best_budget(recent[None], [3]) == 0  # read as b's row, it would idle b too
     assert policy.draft_lengths([3], ("b",)) == [3]  # the long-run row: b speculates
     np.testing.assert_array_less(recent, policy.history.batch.long_run)
