@@ -18,6 +18,9 @@ from dspark.coordinator.confidence import AcceptanceTracker
 STALE_STEPS = 2  # the paper's production scheduler reads confidences from two steps back
 SMOOTHING = 0.3  # weight of a stale row one step newer than the rest of its running average
 LONG_RUN = 0.02  # the same for the long-run average (`StaleRow.long_run`: ~50 rows)
+# The batch means' rows are read only for a request without rows of its own; between such
+# reads they are taken in once this many wait, not every step.
+BATCH_PENDING = 16
 
 
 class StaleRow:
@@ -45,6 +48,11 @@ class StaleRow:
 
     def push(self, step: int, row: list[float]) -> None:
         self._recent.append((step, row))
+
+    @property
+    def pending(self) -> int:
+        """Rows pushed and not yet taken into the averages."""
+        return len(self._recent)
 
     def value_at(self, step: int) -> list[float] | None:
         # Plain floats: rows of γ numbers, read and pushed every step, where each numpy call
@@ -92,13 +100,13 @@ class SurvivalHistory:
         """Survivals from two steps back and before: the request's own, else the batch means'
         long-run average, else the tracker's global rates (`fallback_row`). None of these can
         depend on the current step's drafts."""
-        fallback = self.fallback_row(step)
-        rows = []
-        for r in req_ids:
-            own = self.rows[r].value_at(step) if r in self.rows else None
-            rows.append(own if own is not None else fallback)
+        rows: list[list[float] | None] = [
+            self.rows[r].value_at(step) if r in self.rows else None for r in req_ids]
         if not rows:
             return np.zeros((0, self.gamma))
+        if None in rows:  # read only when needed: most steps every request has its own
+            fallback = self.fallback_row(step)
+            rows = [fallback if row is None else row for row in rows]
         return np.array(rows)
 
     def fallback_row(self, step: int) -> list[float]:  # [γ]
@@ -150,6 +158,8 @@ class SurvivalHistory:
             pushed += 1
         self.last_push = step
         self.batch.push(step, [t / pushed for t in total])
+        if self.batch.pending > BATCH_PENDING:
+            self.batch.value_at(step)  # takes in the rows two steps old
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's rows."""

@@ -252,6 +252,25 @@ def test_parallel_round_cost_is_charged_only_when_something_is_verified() -> Non
         assert policy.best_budget(survivals_of(conf), [3]) == expected
 
 
+def test_a_stale_row_reads_the_same_whenever_it_is_read() -> None:
+    # The batch means' rows are taken in only when a request without rows reads them (or once
+    # BATCH_PENDING wait): read late, the averages must equal those read every step.
+    from dspark.coordinator.stale_history import StaleRow
+
+    rng = np.random.default_rng(3)
+    eager, lazy = StaleRow(long_run=True), StaleRow(long_run=True)
+    step = 0
+    for _ in range(40):
+        step += int(rng.integers(1, 4))  # gaps: idle steps between pushes
+        row = np.cumprod(rng.random(4)).tolist()
+        eager.push(step, row)
+        lazy.push(step, row)
+        eager.value_at(step)
+    assert lazy.pending > 2 and lazy.value is None  # nothing read yet
+    assert lazy.value_at(step) == eager.value_at(step)
+    assert lazy.long_run == eager.long_run and lazy.pending == eager.pending
+
+
 def test_a_new_request_starts_from_the_long_run_row_not_the_last_requests_last_blocks() -> None:
     # Regression: a request without rows of its own read the batch means' recent average,
     # which with one request in flight is the last request's last few blocks. Where those were
@@ -269,7 +288,7 @@ def test_a_new_request_starts_from_the_long_run_row_not_the_last_requests_last_b
         policy.plan_verification(d, k)
         policy.observe(step_of(ids, [k], [0], finished=step == 39))
     assert k == 0  # a's hard blocks idled it
-    recent = np.array(policy.history.batch.value)
+    recent = np.array(policy.history.batch.value_at(40))  # the batch means' recent average
     assert policy.best_budget(recent[None], [3]) == 0  # read as b's row, it would idle b too
     assert policy.draft_lengths([3], ("b",)) == [3]  # the long-run row: b speculates
     np.testing.assert_array_less(recent, policy.history.batch.long_run)
