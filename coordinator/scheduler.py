@@ -52,7 +52,7 @@ from dspark.coordinator.exploration import (
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.coordinator.stale_history import STALE_STEPS, SurvivalHistory, survivals_of
 from dspark.coordinator.step_pricing import RoundInFlight, StepPricer
-from dspark.kernels.budget import allocate_survivals, candidate_plans, rank_slots
+from dspark.kernels.budget import allocate_survivals, candidate_plans, prefix_plans, rank_slots
 from dspark.messages import Drafts, StepState
 
 RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
@@ -124,10 +124,11 @@ class BudgetedPolicy(Policy):
         """(K, depth): `best_budget`'s K and how many positions the round must draft. A round
         of d positions costs draft_first + (d − 1)·draft, plus `catch_up` seconds (the rows the
         drafter must take in first), and K = 0 skips the round. The candidates are
-        `candidate_plans`': for each depth cap d, the best K slots a round of d positions drafts
-        (without the cap, at 4 in flight, T = 1, steps with every slot busy: 19.8 drafts
-        verified for 11.4 tokens in 28.6 ms, 0.40 tokens a ms, where fixed k = 3 ran at 0.45;
-        with it 19.3 drafts for 12.5 tokens in 26.9 ms, 0.46).
+        `candidate_plans`' (a lone request's and a probe's: `prefix_plans`'): for each depth
+        cap d, the best K slots a round of d positions drafts (without the cap, at 4 in flight,
+        T = 1, steps with every slot busy: 19.8 drafts verified for 11.4 tokens in 28.6 ms,
+        0.40 tokens a ms, where fixed k = 3 ran at 0.45; with it 19.3 drafts for 12.5 tokens in
+        26.9 ms, 0.46).
         A K > 0 must beat K = 0's Θ by `margin` (a fraction) to be chosen. The pass also carries
         `prompt_tokens` (default: this step's). A round that drafts `drafted` positions whatever
         K is (a probe's) has that round and `catch_up` in every K's time, K = 0's too."""
@@ -135,17 +136,21 @@ class BudgetedPolicy(Policy):
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self.pricer.prompt_tokens if prompt_tokens is None else prompt_tokens
         a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
-        prefixes = drafted is not None or num_reqs == 1
-        counts, accepted, depths = candidate_plans(a, pos, prefixes)
-        if drafted is not None:
-            depths = np.full(counts.size, drafted)
-        tokens = num_reqs + accepted  # [n] expected tokens committed
-        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1, self.pricer.sampled)
-        if not prefixes:  # a prefix's count is its index: the slice is in candidate order
-            verify = verify[counts]
+        fit = self.pricer.time_fit(num_reqs)
         first, each = self.cost.draft_costs(num_reqs, self.pricer.sampled)
-        times = self.pricer.time_fit(num_reqs).candidate_times(verify, depths, first, each,
-                                                               num_reqs, cold)
+        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1, self.pricer.sampled)
+        counts: list[int] | np.ndarray
+        depths: list[int] | np.ndarray
+        if drafted is not None or num_reqs == 1:  # a few candidates: the prefixes, in floats
+            counts, accepted = prefix_plans(a.tolist())
+            depths = counts if drafted is None else [drafted] * len(counts)
+            tokens = np.array([num_reqs + x for x in accepted])  # [n] expected tokens committed
+            times = np.array(fit.candidate_times(verify.tolist(), depths, first, each, num_reqs,
+                                                 cold))
+        else:
+            counts, accepted, depths = candidate_plans(a, pos)
+            tokens = num_reqs + accepted
+            times = fit.candidate_times(verify[counts], depths, first, each, num_reqs, cold)
         if catch_up:
             times[0 if drafted else 1:] += catch_up
         price = self.pricer.price_of_time(num_reqs) if self._time_is_wanted(prompt_tokens) else None

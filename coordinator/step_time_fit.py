@@ -103,20 +103,25 @@ class Fit:
         return (self.verify_time(verify, num_reqs, after_round) + num_reqs * self.per_request
                 + other * has_round + first_scale * (drafting - further) + further_scale * further)
 
-    def candidate_times(self, verify: np.ndarray, depths: np.ndarray, first: float, each: float,
-                        num_reqs: int, cold: float = 0.0) -> np.ndarray:
+    def candidate_times(self, verify: Any, depths: Any, first: float, each: float,
+                        num_reqs: int, cold: float = 0.0) -> Any:
         """`apply` of candidate steps ([n] profiled verify seconds, [n] round depths, 0 for no
         round) of one batch, whose rounds' profile is `first` for the first position and `each`
         for every further one, with the per-round terms summed in plain floats first: the
         budget evaluates every candidate every step, where each numpy call costs ~5 µs (the
-        forward passes before it evict the caches), more than the arithmetic."""
+        forward passes before it evict the caches), more than the arithmetic. numpy arrays in,
+        an array out; lists (a few candidates: `prefix_plans`) in, a list out, the same sums."""
         other, first_scale, further_scale = self._round_terms(num_reqs, cold)
         per_round = self.verify_after_round + other + first_scale * first
         base = (self.verify_fixed + max(num_reqs - 1, 0) * self.verify_per_sequence
                 + num_reqs * self.per_request)
+        further = further_scale * each
+        if not isinstance(depths, np.ndarray):
+            return [self.verify_scale * v + base + per_round * (d > 0) + further * max(d - 1, 0)
+                    for v, d in zip(verify, depths, strict=True)]
         times = self.verify_scale * verify + base
         times += per_round * (depths > 0)
-        times += (further_scale * each) * np.maximum(depths - 1, 0)
+        times += further * np.maximum(depths - 1, 0)
         return times
 
     def _round_terms(self, num_reqs: int, cold: float) -> tuple[float, float, float]:

@@ -17,6 +17,7 @@ a sync (tens of µs). It cannot pay at these sizes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -116,26 +117,33 @@ def rank_slots(
 def candidate_plans(
     a: np.ndarray,  # [num_slots] survivals in `rank_slots` order
     pos: np.ndarray,  # [num_slots] their positions j (1-based)
-    prefixes: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # (K, Σ a, depth): each [num_candidates]
     """The budget's candidate plans, K = 0 first: for each depth cap d, the first K slots (in
     `rank_slots` order) among those at positions <= d, with their expected accepted drafts and
     the round's depth. A plan verifies the best slots a round of d positions drafts: without
     the cap, one request's 3rd slot brought along every slot ranked above it, another's 5th
-    included, and a round of 5 positions for all. With `prefixes`, the candidates are the
-    prefixes of the whole order, the depth their count (a lone request's K-th slot is its K-th
-    position; a probe's round, paid whatever its depth, sets its own).
+    included, and a round of 5 positions for all. (Where the candidates are the prefixes of the
+    whole order, see `prefix_plans`.)
 
-    >>> k, tokens, depth = candidate_plans(np.array([.9, .6, .5]), np.array([1, 1, 2]), False)
+    >>> k, tokens, depth = candidate_plans(np.array([.9, .6, .5]), np.array([1, 1, 2]))
     >>> k.tolist(), tokens.round(2).tolist(), depth.tolist()
     ([0, 1, 2, 1, 2, 3], [0.0, 0.9, 1.5, 0.9, 1.5, 2.0], [0, 1, 1, 1, 1, 2])
     """
-    if prefixes:
-        counts = np.arange(a.size + 1)
-        return counts, np.concatenate(([0.0], a.cumsum())), counts
     caps = np.arange(1, int(pos.max()) + 1) if pos.size else pos
     keep = pos[None, :] <= caps[:, None]  # [depth caps, num_slots]
     counts = np.concatenate(([0], keep.cumsum(axis=1)[keep]))
     tokens = np.concatenate(([0.0], np.where(keep, a, 0.0).cumsum(axis=1)[keep]))
     depths = np.concatenate(([0], np.maximum.accumulate(np.where(keep, pos, 0), axis=1)[keep]))
     return counts, tokens, depths
+
+
+def prefix_plans(a: list[float]) -> tuple[list[int], list[float]]:  # (K, Σ a): [num_slots + 1]
+    """The candidates where a plan is a prefix of the whole `rank_slots` order, K = 0 first,
+    with their expected accepted drafts: a lone request's (its K-th slot is its K-th position)
+    or a probe's (its round, paid whatever its depth, sets its own). At most a few blocks of
+    slots, so plain floats: each numpy call here would cost more than all the arithmetic.
+
+    >>> prefix_plans([.5, .25])
+    ([0, 1, 2], [0.0, 0.5, 0.75])
+    """
+    return list(range(len(a) + 1)), [0.0, *accumulate(a)]

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.kernels.budget import allocate, allocate_ref, candidate_plans, rank_slots
+from dspark.kernels.budget import (
+    allocate,
+    allocate_ref,
+    candidate_plans,
+    prefix_plans,
+    rank_slots,
+)
 
 
 def _brute_force(confidences: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> list[int]:
@@ -83,7 +89,7 @@ def test_empty_batch_and_zero_budget() -> None:
 def test_candidate_plans_are_the_best_slots_of_each_round_depth() -> None:
     """For each depth cap d and each K, the candidate is the first K slots (key (−a, j, r)) at
     positions <= d, with their Σ a and depth, against a brute-force filter of the sorted
-    slots; with `prefixes`, the prefixes of the whole order. Dyadic survivals make ties (and
+    slots; `prefix_plans`, the prefixes of the whole order. Dyadic survivals make ties (and
     exact sums)."""
     rng = np.random.default_rng(7)
     for _ in range(200):
@@ -92,7 +98,7 @@ def test_candidate_plans_are_the_best_slots_of_each_round_depth() -> None:
         survivals = np.cumprod(conf, axis=1)
         limits = rng.integers(0, width + 1, num_reqs)
         a, pos, _ = rank_slots(survivals, limits)
-        counts, tokens, depths = candidate_plans(a, pos, prefixes=False)
+        counts, tokens, depths = candidate_plans(a, pos)
         expected = [(0, 0.0, 0)]
         for d in range(1, int(pos.max(initial=0)) + 1):
             kept = [(x, j) for x, j in zip(a.tolist(), pos.tolist(), strict=True) if j <= d]
@@ -100,6 +106,6 @@ def test_candidate_plans_are_the_best_slots_of_each_round_depth() -> None:
                 expected.append((k, sum(x for x, _ in kept[:k]), max(j for _, j in kept[:k])))
         got = list(zip(counts.tolist(), tokens.tolist(), depths.tolist(), strict=True))
         assert got == expected  # dyadic: sums are exact
-        counts, tokens, depths = candidate_plans(a, pos, prefixes=True)
-        assert counts.tolist() == depths.tolist() == list(range(a.size + 1))
-        assert tokens.tolist() == pytest.approx([0.0, *np.cumsum(a).tolist()])
+        counts, tokens = prefix_plans(a.tolist())
+        assert counts == list(range(a.size + 1))
+        assert tokens == [0.0, *np.cumsum(a).tolist()]  # dyadic: sums are exact

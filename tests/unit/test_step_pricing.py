@@ -37,6 +37,10 @@ def test_candidate_step_times_equal_the_fit_applied_to_each() -> None:
                         for v, d, f, n in zip(verify, drafting, further, depths, strict=False)]
             got = fit.candidate_times(verify, depths, first, each, num_reqs, cold)
             assert got.tolist() == pytest.approx(expected)
+            # A few candidates come as lists (`prefix_plans`): the same sums, in plain floats.
+            floats = fit.candidate_times(verify.tolist(), depths.tolist(), first, each,
+                                         num_reqs, cold)
+            assert isinstance(floats, list) and floats == got.tolist()
 
 
 def test_unprofiled_step_time_is_learned_and_changes_the_budget() -> None:
