@@ -464,10 +464,14 @@ class Engine:
     ) -> VerifyPlan:
         assert sum(planned) <= budget or budget == 0 and not any(planned)
         width = max(planned, default=0)
-        token_ids = drafts.token_ids[:, :width].clone()
-        for i, n in enumerate(planned):
-            assert n <= int(drafts.num_drafts[i])
-            token_ids[i, n:] = -1
+        # One conversion each and one masked copy, not a few torch ops per request: at 16 in
+        # flight the per-request ops cost ~0.1 ms a step.
+        assert all(n <= d for n, d in zip(planned, drafts.num_drafts.tolist(), strict=True))
+        drafted = drafts.token_ids[:, :width]  # [num_reqs, width]
+        rows = drafted.tolist()
+        past = (torch.arange(width, device=drafted.device)
+                >= torch.tensor(planned, dtype=torch.int64, device=drafted.device)[:, None])
+        token_ids = drafted.masked_fill(past, -1)  # -1 past each request's ℓ
         probs = drafts.probs  # q over Ray stays a reference: rank 0 cuts it to the plan's width
         if isinstance(probs, torch.Tensor):
             probs = probs[:, :width]
@@ -475,8 +479,8 @@ class Engine:
             req_ids=tuple(r.req_id for r in reqs),
             starts=tuple(r.target_length for r in reqs),
             input_ids=tuple(
-                r.tokens_from(r.target_length) + tuple(token_ids[i, :n].tolist())
-                for i, (r, n) in enumerate(zip(reqs, planned, strict=True))
+                r.tokens_from(r.target_length) + tuple(row[:n])
+                for r, row, n in zip(reqs, rows, planned, strict=True)
             ),
             num_draft=tuple(planned),
             draft_token_ids=token_ids,
