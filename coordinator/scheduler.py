@@ -456,7 +456,7 @@ class BudgetedPolicy(Policy):
     def _steps_left(self, req_ids: tuple[str, ...], survivals: np.ndarray) -> list[float]:
         """Each request's steps left to speculate: its cap over the 1 + Σ a tokens a step
         commits. survivals: [num_reqs, γ] the stale survivals the budget reads."""
-        tokens = (1 + np.asarray(survivals).sum(axis=1)).tolist()  # [num_reqs] tokens a step
+        tokens = [1 + sum(row) for row in survivals.tolist()]  # [num_reqs] tokens a step
         return [
             self._caps.get(r, 0) / per_step for r, per_step in zip(req_ids, tokens, strict=True)
         ]

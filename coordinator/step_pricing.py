@@ -15,6 +15,8 @@ from typing import NamedTuple
 from dspark.coordinator.cost_model import CostModel
 from dspark.coordinator.step_time_fit import Fit, StepTimeFit
 
+NO_FIT = Fit()  # the profile as it is (frozen): what a kind of batch not yet timed reads
+
 
 class RoundInFlight(NamedTuple):
     """What `observe_time` needs of the step it times."""
@@ -89,7 +91,7 @@ class StepPricer:
         # the call), ~1.5 ms at 1–7 in flight, so a ratio of 1.3 there priced a round at 16
         # in flight, profiled 3x longer, 25% too dear and kept that size idle.
         known = [k[1] for k, f in self.fits.items() if k[0] == sampled and f.knows_drafting]
-        own = fit.fit if fit is not None else Fit()
+        own = fit.fit if fit is not None else NO_FIT
         if not known:
             return own
         near = min(known, key=lambda k: (abs(k - size), k))
@@ -146,7 +148,7 @@ class StepPricer:
         # Single-request passes tell the machine's speed apart from the cost per sequence
         # (`StepTimeFit`): their scale and fixed cost are the priors of larger batches'.
         alone = self.fits.get((self.sampled, 1))
-        prior = alone.fit if alone is not None and alone.knows_verify and num_reqs > 1 else Fit()
+        prior = alone.fit if alone is not None and alone.knows_verify and num_reqs > 1 else NO_FIT
         # The first pass after the drafter stopped runs as the one after a round (the target's
         # weights evicted: 7.5 ms against 6.6 three steps on, 4 in flight): not what a step
         # without drafts costs while not speculating, the K = 0 the budget prices.
