@@ -22,6 +22,7 @@ File format (JSON lines, UTF-8): the first line is a header object, every furthe
 
 `steps_by_budget` splits a trace's time by what its steps did (`dspark trace-summary`):
 steps that took in a prompt, and decode steps by their budget K, each with its tokens a ms;
+`steps_by_phase` by the state of the batch (first passes, prefill, full decode, draining);
 `dspark bench-policies --trace-dir` records one trace per arm and cell.
 
 Example:
@@ -142,10 +143,11 @@ class BudgetRow:
     """The steps of one kind in a trace (`steps_by_budget`): those that took in a prompt, or the
     decode steps of one budget K."""
 
-    kind: str  # "prefill", or "K=<k>"
+    kind: str  # "prefill", or "K=<k>"; a phase of the run (`steps_by_phase`)
     steps: int
     seconds: float  # their summed wall-clock time
     tokens: int  # tokens they committed
+    drafts: int = 0  # drafts they verified (Σ ℓ)
 
     @property
     def ms_per_step(self) -> float:
@@ -182,8 +184,44 @@ def steps_by_budget(trace: Trace) -> list[BudgetRow]:
                       sum(sum(s.committed) for s in groups[k])) for k in order]
 
 
+PHASES = ("first pass", "prefill", "decode, full", "decode, draining")
+
+
+def steps_by_phase(trace: Trace) -> list[BudgetRow]:
+    """The trace's steps split by the state of the batch, in PHASES order (phases without steps
+    left out): "first pass" (every request in the pass is new: a batch's prompts together),
+    "prefill" (prompts beside running requests), "decode, full" (no prompt, the batch as wide
+    as the trace's widest), "decode, draining" (no prompt, fewer). Arms that serve the same
+    requests do the same first passes, whose time is then noise to a comparison; where one
+    trails, this says in which phase (traced at 64 in flight, T = 0: `confidence`'s full decode
+    steps made 1.23 tokens a ms where `off`'s and fixed k = 3's made 1.40, and its steps beside
+    prompts 0.72 against fixed k = 3's 0.81, while every arm spent ~25% of the run on first
+    passes).
+
+    >>> def step(width, new, dt, drafts):
+    ...     return StepTrace(0, 0.0, dt, drafts, ("r",) * width, (1,) * width, new, (0,) * width,
+    ...                      (drafts,) + (0,) * (width - 1), (0,) * width, (1,) * width,
+    ...                      (0,) * width, None)
+    >>> rows = steps_by_phase(Trace({}, (step(2, (1, 1), 0.05, 0), step(2, (0, 0), 0.01, 3),
+    ...                                   step(1, (0,), 0.005, 0))))
+    >>> [(r.kind, r.steps, r.tokens, r.drafts) for r in rows]
+    [('first pass', 1, 2, 0), ('decode, full', 1, 2, 3), ('decode, draining', 1, 1, 0)]
+    """
+    widest = max((len(s.req_ids) for s in trace.steps), default=0)
+    groups: dict[str, list[StepTrace]] = {}
+    for s in trace.steps:
+        new = sum(s.new)
+        phase = (PHASES[0] if new == len(s.new) else PHASES[1] if new
+                 else PHASES[2] if len(s.req_ids) == widest else PHASES[3])
+        groups.setdefault(phase, []).append(s)
+    return [BudgetRow(p, len(groups[p]), sum(s.seconds for s in groups[p]),
+                      sum(sum(s.committed) for s in groups[p]),
+                      sum(sum(s.planned) for s in groups[p])) for p in PHASES if p in groups]
+
+
 def format_budget_rows(trace: Trace) -> str:
-    """`steps_by_budget` as a table (what `dspark trace-summary` prints)."""
+    """`steps_by_budget`, then `steps_by_phase` (with drafts verified a step), as tables: what
+    `dspark trace-summary` prints."""
     rows = steps_by_budget(trace)
     seconds, tokens = sum(r.seconds for r in rows), sum(r.tokens for r in rows)
     lines = [f"{len(trace.steps)} steps, {tokens} tokens, "
@@ -192,6 +230,12 @@ def format_budget_rows(trace: Trace) -> str:
     for r in rows:
         lines.append(f"{r.kind:<9}{r.steps:>7}{r.seconds / seconds:>8.1%}{r.ms_per_step:>9.2f}"
                      f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}")
+    lines.append(f"{'phase':<17}{'count':>7}{'time':>8}{'ms/step':>9}{'tok/step':>10}"
+                 f"{'tok/ms':>8}{'drafts/step':>12}")
+    for r in steps_by_phase(trace):
+        lines.append(f"{r.kind:<17}{r.steps:>7}{r.seconds / seconds:>8.1%}{r.ms_per_step:>9.2f}"
+                     f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}"
+                     f"{r.drafts / r.steps:>12.1f}")
     return "\n".join(lines)
 
 

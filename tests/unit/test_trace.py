@@ -96,10 +96,37 @@ def test_steps_by_budget_splits_time_by_kind_of_step() -> None:
     assert sum(r.steps for r in rows) == len(trace.steps)
 
 
+def test_steps_by_phase_splits_time_by_the_state_of_the_batch() -> None:
+    from dspark.coordinator.trace import StepTrace, Trace, steps_by_phase
+
+    def step(new: tuple[int, ...], dt: float, planned: tuple[int, ...], committed: int
+             ) -> StepTrace:
+        n = len(new)
+        return StepTrace(0, 0.0, dt, sum(planned), tuple(f"r{i}" for i in range(n)), (1,) * n,
+                         new, planned, planned, planned, (committed,) + (0,) * (n - 1), (0,) * n,
+                         None)
+
+    trace = Trace({}, (
+        step((1, 1, 1), 0.300, (0, 0, 0), 3),  # the batch's prompts together
+        step((0, 0, 0), 0.020, (3, 2, 0), 6),  # full
+        step((0, 0, 1), 0.100, (3, 0, 0), 4),  # a prompt beside running requests
+        step((0, 0), 0.010, (1, 1), 3),  # draining
+        step((0, 0, 0), 0.030, (0, 0, 0), 3),  # full again
+        step((0,), 0.005, (0,), 1),  # draining
+    ))
+    rows = {r.kind: r for r in steps_by_phase(trace)}
+    assert list(rows) == ["first pass", "prefill", "decode, full", "decode, draining"]
+    assert [(r.steps, r.tokens, r.drafts) for r in rows.values()] == [
+        (1, 3, 0), (1, 4, 3), (2, 9, 5), (2, 4, 2)]
+    assert rows["decode, full"].seconds == pytest.approx(0.050)
+    assert rows["decode, draining"].tokens_per_ms == pytest.approx(4 / 15)
+    assert steps_by_phase(Trace({}, ())) == []
+
+
 def test_trace_summary_prints_each_kind_of_step_and_refuses_bad_files(recorded, tmp_path,
                                                                       capsys) -> None:
     from dspark.cli import main as cli_main
-    from dspark.coordinator.trace import steps_by_budget
+    from dspark.coordinator.trace import steps_by_budget, steps_by_phase
 
     rec, _ = recorded
     path = rec.save(tmp_path / "run.jsonl")
@@ -108,6 +135,8 @@ def test_trace_summary_prints_each_kind_of_step_and_refuses_bad_files(recorded, 
     assert "proposer=ngram" in out
     for row in steps_by_budget(rec.trace()):
         assert f"{row.kind:<9}{row.steps:>7}" in out
+    for row in steps_by_phase(rec.trace()):
+        assert f"{row.kind:<17}{row.steps:>7}" in out
     (tmp_path / "other.jsonl").write_text('{"format": "other"}\n')
     for bad, message in ((tmp_path / "missing.jsonl", "No such file"),
                          (tmp_path / "other.jsonl", "not a dspark-trace")):
