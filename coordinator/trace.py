@@ -140,8 +140,8 @@ class Trace:
 
 @dataclass(frozen=True)
 class BudgetRow:
-    """The steps of one kind in a trace (`steps_by_budget`): those that took in a prompt, or the
-    decode steps of one budget K."""
+    """The steps of one kind in a trace: those that took in a prompt, or the decode steps of one
+    budget K (`steps_by_budget`); or those of one phase of the run (`steps_by_phase`)."""
 
     kind: str  # "prefill", or "K=<k>"; a phase of the run (`steps_by_phase`)
     steps: int
@@ -179,9 +179,12 @@ def steps_by_budget(trace: Trace) -> list[BudgetRow]:
     for s in trace.steps:
         groups.setdefault(None if any(s.new) else s.budget, []).append(s)
     order = sorted(groups, key=lambda k: -1 if k is None else k)
-    return [BudgetRow("prefill" if k is None else f"K={k}", len(groups[k]),
-                      sum(s.seconds for s in groups[k]),
-                      sum(sum(s.committed) for s in groups[k])) for k in order]
+    return [_row("prefill" if k is None else f"K={k}", groups[k]) for k in order]
+
+
+def _row(kind: str, steps: list[StepTrace]) -> BudgetRow:
+    return BudgetRow(kind, len(steps), sum(s.seconds for s in steps),
+                     sum(sum(s.committed) for s in steps), sum(sum(s.planned) for s in steps))
 
 
 PHASES = ("first pass", "prefill", "decode, full", "decode, draining")
@@ -214,9 +217,7 @@ def steps_by_phase(trace: Trace) -> list[BudgetRow]:
         phase = (PHASES[0] if new == len(s.new) else PHASES[1] if new
                  else PHASES[2] if len(s.req_ids) == widest else PHASES[3])
         groups.setdefault(phase, []).append(s)
-    return [BudgetRow(p, len(groups[p]), sum(s.seconds for s in groups[p]),
-                      sum(sum(s.committed) for s in groups[p]),
-                      sum(sum(s.planned) for s in groups[p])) for p in PHASES if p in groups]
+    return [_row(p, groups[p]) for p in PHASES if p in groups]
 
 
 def format_budget_rows(trace: Trace) -> str:
@@ -227,16 +228,18 @@ def format_budget_rows(trace: Trace) -> str:
     lines = [f"{len(trace.steps)} steps, {tokens} tokens, "
              f"{tokens / (1000 * seconds) if seconds else 0.0:.3f} tokens a ms",
              f"{'steps':<9}{'count':>7}{'time':>8}{'ms/step':>9}{'tok/step':>10}{'tok/ms':>8}"]
-    for r in rows:
-        lines.append(f"{r.kind:<9}{r.steps:>7}{r.seconds / seconds:>8.1%}{r.ms_per_step:>9.2f}"
-                     f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}")
+    lines += [_line(r, 9, seconds) for r in rows]
     lines.append(f"{'phase':<17}{'count':>7}{'time':>8}{'ms/step':>9}{'tok/step':>10}"
                  f"{'tok/ms':>8}{'drafts/step':>12}")
-    for r in steps_by_phase(trace):
-        lines.append(f"{r.kind:<17}{r.steps:>7}{r.seconds / seconds:>8.1%}{r.ms_per_step:>9.2f}"
-                     f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}"
-                     f"{r.drafts / r.steps:>12.1f}")
+    lines += [_line(r, 17, seconds) + f"{r.drafts / r.steps:>12.1f}"
+              for r in steps_by_phase(trace)]
     return "\n".join(lines)
+
+
+def _line(r: BudgetRow, width: int, seconds: float) -> str:
+    """A table row: kind, count, share of the trace's `seconds`, ms/step, tok/step, tok/ms."""
+    return (f"{r.kind:<{width}}{r.steps:>7}{r.seconds / seconds:>8.1%}{r.ms_per_step:>9.2f}"
+            f"{r.tokens_per_step:>10.2f}{r.tokens_per_ms:>8.3f}")
 
 
 @dataclass
