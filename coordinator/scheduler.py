@@ -52,7 +52,14 @@ from dspark.coordinator.exploration import (
 from dspark.coordinator.policy import FixedPolicy, OffPolicy, Policy
 from dspark.coordinator.stale_history import STALE_STEPS, SurvivalHistory, survivals_of
 from dspark.coordinator.step_pricing import RoundInFlight, StepPricer
-from dspark.kernels.budget import allocate_survivals, candidate_plans, prefix_plans, rank_slots
+from dspark.kernels.budget import (
+    SMALL_BATCH_SLOTS,
+    allocate_survivals,
+    candidate_plans,
+    prefix_plans,
+    rank_slots,
+    small_candidate_plans,
+)
 from dspark.messages import Drafts, StepState
 
 RESUME_MARGIN = 0.05  # after a step with K = 0, speculation resumes only for this much more Θ
@@ -135,21 +142,28 @@ class BudgetedPolicy(Policy):
         num_reqs = len(limits)
         cold = float(self._cold) if cold is None else cold
         prompt_tokens = self.pricer.prompt_tokens if prompt_tokens is None else prompt_tokens
-        a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
         fit = self.pricer.time_fit(num_reqs)
         first, each = self.cost.draft_costs(num_reqs, self.pricer.sampled)
-        verify = self.cost.verify_times(num_reqs + prompt_tokens, a.size + 1, self.pricer.sampled)
+        base, sampled = num_reqs + prompt_tokens, self.pricer.sampled
         counts: list[int] | np.ndarray
         depths: list[int] | np.ndarray
         if drafted is not None or num_reqs == 1:  # a few candidates: the prefixes, in floats
-            counts, accepted = prefix_plans(a.tolist())
+            counts, accepted = prefix_plans(rank_slots(survivals, limits)[0].tolist())
             depths = counts if drafted is None else [drafted] * len(counts)
+            verify = self.cost.verify_times(base, len(counts), sampled).tolist()
             tokens = np.array([num_reqs + x for x in accepted])  # [n] expected tokens committed
-            times = np.array(fit.candidate_times(verify.tolist(), depths, first, each, num_reqs,
-                                                 cold))
+            times = np.array(fit.candidate_times(verify, depths, first, each, num_reqs, cold))
+        elif sum(limits) <= SMALL_BATCH_SLOTS:  # a small batch's candidates, in floats
+            counts, accepted, depths = small_candidate_plans(survivals.tolist(), limits)
+            verify = self.cost.verify_times(base, counts[-1] + 1, sampled).tolist()
+            tokens = np.array([num_reqs + x for x in accepted])
+            times = np.array(fit.candidate_times([verify[k] for k in counts], depths, first,
+                                                 each, num_reqs, cold))
         else:
+            a, pos, _ = rank_slots(survivals, limits)  # [num_slots] best first
             counts, accepted, depths = candidate_plans(a, pos)
             tokens = num_reqs + accepted
+            verify = self.cost.verify_times(base, a.size + 1, sampled)
             times = fit.candidate_times(verify[counts], depths, first, each, num_reqs, cold)
         if catch_up:
             times[0 if drafted else 1:] += catch_up

@@ -15,6 +15,7 @@ from dspark.kernels.budget import (
     candidate_plans,
     prefix_plans,
     rank_slots,
+    small_candidate_plans,
 )
 
 
@@ -44,11 +45,13 @@ def test_seed_worked_example() -> None:
 
 @pytest.mark.parametrize("dyadic", [False, True], ids=["continuous", "dyadic_ties"])
 def test_matches_brute_force_on_random_cases(dyadic: bool) -> None:
-    """200 random cases; dyadic confidences (k/4) make exact ties, so the tie-break is tested."""
+    """200 random cases; dyadic confidences (k/4) make exact ties, so the tie-break is tested.
+    Batches of up to 12 requests of up to 8 drafts: `allocate`'s plain-float path (up to
+    SMALL_BATCH_SLOTS slots) and its numpy one both."""
     g = torch.Generator().manual_seed(30 + dyadic)
     for _ in range(200):
-        num_reqs = int(torch.randint(1, 7, (), generator=g))
-        max_draft = int(torch.randint(0, 6, (), generator=g))
+        num_reqs = int(torch.randint(1, 13, (), generator=g))
+        max_draft = int(torch.randint(0, 9, (), generator=g))
         if dyadic:
             conf = torch.randint(0, 5, (num_reqs, max_draft), generator=g) / 4.0
         else:
@@ -109,3 +112,23 @@ def test_candidate_plans_are_the_best_slots_of_each_round_depth() -> None:
         counts, tokens = prefix_plans(a.tolist())
         assert counts == list(range(a.size + 1))
         assert tokens == [0.0, *np.cumsum(a).tolist()]  # dyadic: sums are exact
+
+
+@pytest.mark.parametrize("dyadic", [False, True], ids=["continuous", "dyadic_ties"])
+def test_small_candidate_plans_are_candidate_plans_listed_once(dyadic: bool) -> None:
+    """The plain-float candidates of a small batch are `candidate_plans`' with each repeated
+    plan (the same K, Σ a and depth under a deeper cap) dropped, in the same order and to the
+    last bit: the budget's first maximum is the same plan either way. Dyadic survivals make
+    ties between requests and positions."""
+    rng = np.random.default_rng(11 + dyadic)
+    for _ in range(300):
+        num_reqs, width = int(rng.integers(1, 7)), int(rng.integers(1, 8))
+        shape = (num_reqs, width)
+        conf = rng.integers(0, 5, shape) / 4.0 if dyadic else rng.random(shape)
+        survivals = np.cumprod(conf, axis=1)
+        limits = rng.integers(0, width + 1, num_reqs).tolist()
+        counts, tokens, depths = candidate_plans(*rank_slots(survivals, limits)[:2])
+        plans = zip(counts.tolist(), tokens.tolist(), depths.tolist(), strict=True)
+        once = list(dict.fromkeys(plans))
+        got = small_candidate_plans(survivals.tolist(), limits)
+        assert list(zip(*got, strict=True)) == once, (survivals, limits)
