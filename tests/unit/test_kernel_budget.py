@@ -122,7 +122,7 @@ def test_small_candidate_plans_are_candidate_plans_listed_once(dyadic: bool) -> 
     ties between requests and positions."""
     rng = np.random.default_rng(11 + dyadic)
     for _ in range(300):
-        num_reqs, width = int(rng.integers(1, 7)), int(rng.integers(1, 8))
+        num_reqs, width = int(rng.integers(1, 11)), int(rng.integers(1, 8))
         shape = (num_reqs, width)
         conf = rng.integers(0, 5, shape) / 4.0 if dyadic else rng.random(shape)
         survivals = np.cumprod(conf, axis=1)
