@@ -335,7 +335,7 @@ class BudgetedPolicy(Policy):
             # must not leave zero survivals behind (K = 0 would then be absorbing). Rows that
             # did not move are not pushed again: a row pushed g steps after the last weighs
             # as g pushes of it (`StaleRow`).
-            self.history.remember(req_ids, survivals_of(conf), self._steps)
+            self.history.remember(req_ids, self.live_survivals(conf), self._steps)
             self._rates_moved, self._pushed_batch = False, req_ids
         return list(self._planned)
 
@@ -514,6 +514,8 @@ class ConfidencePolicy(BudgetedPolicy):
 
     def plan_from(self, req_ids, confidences, limits, budget=None):  # noqa: ANN001, ANN201
         k, limits = self.budget_within(req_ids, limits, budget)
+        if k == 0:  # no slot to allocate (most steps where speculation does not pay)
+            return 0, [0] * len(limits)
         return k, allocate_survivals(self.live_survivals(confidences), limits, k).tolist()
 
 
