@@ -298,7 +298,11 @@ class BudgetedPolicy(Policy):
             self._idle_plan = (req_ids, self._steps, limits) if idle else None
         self._idle = self._budget == 0
         if not self._idle or self.sequential_drafts:
-            self.exploration.idle_probes = 0
+            if not self.exploration.exploring_rounds:
+                # A stretch that explores rounds is no decision to speculate (nor is a probe's
+                # verifying): its rounds refresh the history as probes would, and the probes'
+                # backoff stands.
+                self.exploration.idle_probes = 0
             # Draft no deeper than the budget's slots reach: a deeper position costs its share of
             # the round and would not be admitted.
             return [min(n, depth) for n in limits]

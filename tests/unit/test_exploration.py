@@ -9,6 +9,7 @@ from budget_cases import drafts_of, run_batch, skipped_drafts, step_of
 
 from dspark.coordinator.confidence import AcceptanceTracker
 from dspark.coordinator.cost_model import CostModel
+from dspark.coordinator.exploration import EXPLORE_STEPS
 from dspark.coordinator.scheduler import make_policy
 from dspark.messages import Drafts
 
@@ -228,3 +229,26 @@ def test_speculation_is_interrupted_to_measure_k0_only_where_the_choice_is_close
     idle = [i for i, (k, _) in enumerate(budgets) if k == 0 and i >= 10]
     assert len(idle) == explored * EXPLORE_STEPS
     assert all(k > 0 for k, _ in budgets[-50:])
+
+
+def test_an_exploration_of_rounds_keeps_the_probes_backoff() -> None:
+    # Four requests at 0.3 a position, rounds of 0.5 s beside passes of ~1 s: a step with
+    # drafts makes ~5.7 tokens in ~1.7 s against 4 in 1.04 s, ~12% short of paying, so the
+    # budget idles, probes with a growing gap, and now and then explores rounds (the plan that
+    # drafts came within EXPLORE_ROUND_ERROR). An exploration is no decision to speculate, as
+    # a probe is none: the backoff stands, else every stretch brought probes back at the base
+    # interval (16 in flight, T = 1: probes and explorations together 7% of the time, their
+    # steps ~25% slower than idle ones).
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 129)), draft=(0.0,),
+                     draft_first=(0.5,))
+    ids = ("a", "b", "c", "d")
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    backoff, stretches, budgets = [], 0, []
+    for _ in range(700):
+        explored_at = policy.exploration.explored_at
+        run_batch(policy, cost, ids, [0.3] * 3, 1, evict=0.0, budgets=budgets)
+        stretches += policy.exploration.explored_at != explored_at
+        backoff.append(policy.exploration.idle_probes)
+    assert stretches >= 2  # the case explores rounds
+    assert sum(d > 0 for _, d in budgets) > stretches * EXPLORE_STEPS  # and probes
+    assert backoff == sorted(backoff)  # the backoff only grows: the budget never speculates
