@@ -7,11 +7,12 @@ chosen slots form a prefix of each request's drafts, returned as per-request cou
 Worked example (the seed's, DESIGN.md §3): c_1 = [.9, .8, .3], c_2 = [.6, .2, .1], K = 3.
 Survivals [.9, .72, .216] and [.6, .12, .012]; the top 3 are .9, .72, .6: counts (2, 1).
 
-There is no Triton kernel: `allocate` sorts in numpy on the CPU (the torch reference
-elsewhere). Its caller, the coordinator's scheduler, holds confidences on the CPU, and the sizes
-are a few hundred requests times γ <= 16, a few thousand slots: CPU sorts take microseconds
-there, while a GPU kernel would first need a host-to-device copy, a launch and a copy back with
-a sync (tens of µs). It cannot pay at these sizes.
+There is no Triton kernel: `allocate` sorts on the CPU, in numpy, or in plain Python up to
+SMALL_BATCH_SLOTS slots (the torch reference elsewhere). Its caller, the coordinator's
+scheduler, holds confidences on the CPU, and the sizes are a few hundred requests times
+γ <= 16, a few thousand slots: CPU sorts take microseconds there, while a GPU kernel would
+first need a host-to-device copy, a launch and a copy back with a sync (tens of µs). It cannot
+pay at these sizes.
 """
 
 from __future__ import annotations
