@@ -131,7 +131,8 @@ class BudgetedPolicy(Policy):
         """(K, depth): `best_budget`'s K and how many positions the round must draft. A round
         of d positions costs draft_first + (d − 1)·draft, plus `catch_up` seconds (the rows the
         drafter must take in first), and K = 0 skips the round. The candidates are
-        `candidate_plans`' (a lone request's and a probe's: `prefix_plans`'): for each depth
+        `candidate_plans`' (in plain floats up to SMALL_BATCH_SLOTS slots, a lone request's
+        included: `small_candidate_plans`'; a probe's: `prefix_plans`'): for each depth
         cap d, the best K slots a round of d positions drafts (without the cap, at 4 in flight,
         T = 1, steps with every slot busy: 19.8 drafts verified for 11.4 tokens in 28.6 ms,
         0.40 tokens a ms, where fixed k = 3 ran at 0.45; with it 19.3 drafts for 12.5 tokens in
@@ -147,16 +148,14 @@ class BudgetedPolicy(Policy):
         base, sampled = num_reqs + prompt_tokens, self.pricer.sampled
         counts: list[int] | np.ndarray
         depths: list[int] | np.ndarray
-        if drafted is not None or num_reqs == 1:  # a few candidates: the prefixes, in floats
-            counts, accepted = prefix_plans(rank_slots(survivals, limits)[0].tolist())
-            depths = counts if drafted is None else [drafted] * len(counts)
-            verify = self.cost.verify_times(base, len(counts), sampled).tolist()
-            tokens = np.array([num_reqs + x for x in accepted])  # [n] expected tokens committed
-            times = np.array(fit.candidate_times(verify, depths, first, each, num_reqs, cold))
-        elif sum(limits) <= SMALL_BATCH_SLOTS:  # a small batch's candidates, in floats
-            counts, accepted, depths = small_candidate_plans(survivals.tolist(), limits)
+        if drafted is not None or sum(limits) <= SMALL_BATCH_SLOTS:  # a few candidates, in floats
+            if drafted is not None:  # a probe's round: the prefixes of the slots' order
+                counts, accepted = prefix_plans(rank_slots(survivals, limits)[0].tolist())
+                depths = [drafted] * len(counts)
+            else:  # a lone request's (its prefixes) or a small batch's
+                counts, accepted, depths = small_candidate_plans(survivals.tolist(), limits)
             verify = self.cost.verify_times(base, counts[-1] + 1, sampled).tolist()
-            tokens = np.array([num_reqs + x for x in accepted])
+            tokens = np.array([num_reqs + x for x in accepted])  # [n] expected tokens committed
             times = np.array(fit.candidate_times([verify[k] for k in counts], depths, first,
                                                  each, num_reqs, cold))
         else:

@@ -189,9 +189,10 @@ def _ranked(rows: list[list[float]], limits: Sequence[int]) -> list[tuple[float,
 
 def prefix_plans(a: list[float]) -> tuple[list[int], list[float]]:  # (K, Σ a): [num_slots + 1]
     """The candidates where a plan is a prefix of the whole `rank_slots` order, K = 0 first,
-    with their expected accepted drafts: a lone request's (its K-th slot is its K-th position)
-    or a probe's (its round, paid whatever its depth, sets its own). At most a few blocks of
-    slots, so plain floats: each numpy call here would cost more than all the arithmetic.
+    with their expected accepted drafts: a probe's (its round, paid whatever its depth, sets
+    its own). At most a few blocks of slots, so plain floats: each numpy call here would cost
+    more than all the arithmetic. (A lone request's are these too, its K-th slot its K-th
+    position, listed by `small_candidate_plans` with their depths.)
 
     >>> prefix_plans([.5, .25])
     ([0, 1, 2], [0.0, 0.5, 0.75])
