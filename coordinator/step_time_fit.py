@@ -110,7 +110,7 @@ class Fit:
         for every further one, with the per-round terms summed in plain floats first: the
         budget evaluates every candidate every step, where each numpy call costs ~5 µs (the
         forward passes before it evict the caches), more than the arithmetic. numpy arrays in,
-        an array out; lists (a few candidates: `prefix_plans`) in, a list out, the same sums."""
+        an array out; lists (a small batch's or a probe's plans) in, a list out, the same sums."""
         other, first_scale, further_scale = self._round_terms(num_reqs, cold)
         per_round = self.verify_after_round + other + first_scale * first
         base = (self.verify_fixed + max(num_reqs - 1, 0) * self.verify_per_sequence
