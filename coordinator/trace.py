@@ -199,7 +199,9 @@ def steps_by_phase(trace: Trace) -> list[BudgetRow]:
     trails, this says in which phase (traced at 64 in flight, T = 0: `confidence`'s full decode
     steps made 1.23 tokens a ms where `off`'s and fixed k = 3's made 1.40, and its steps beside
     prompts 0.72 against fixed k = 3's 0.81, while every arm spent ~25% of the run on first
-    passes).
+    passes). Compare phases' seconds and tokens, not only their rates: which steps fall in a
+    phase depends on the arm (fixed k = 3 ran 38 steps beside prompts there, `off` 79, for the
+    same prompts), and its drafts there cost about what they did in full decode steps.
 
     >>> def step(width, new, dt, drafts):
     ...     return StepTrace(0, 0.0, dt, drafts, ("r",) * width, (1,) * width, new, (0,) * width,
