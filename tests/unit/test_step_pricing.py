@@ -460,15 +460,16 @@ def test_time_is_priced_at_the_runs_own_rate_once_steps_were_timed() -> None:
     assert policy.best_plan(easy, [3] * 4, cold=0.0, prompt_tokens=0) == (12, 3)
 
 
-def test_with_no_request_waiting_a_step_takes_its_own_best_ratio() -> None:
-    # Regression: the run's rate Θ* prices a step's time because, while requests wait, a second
-    # saved goes to other work at that rate. With none waiting it went nowhere, and at Θ* a
-    # closed batch's last requests idled where drafting made more tokens a second of their own
-    # (4 in flight, T = 0: 2 requests priced at the 2-3-request steps' 0.75 tokens a ms idled at
-    # 0.41, where a round made 0.44). Verify 1 + 0.01 B, a round 2 s. Steps of 3 requests (the
-    # same kind of batch as 2) committed 3 tokens in 1.03 s: Θ* = 2.91 a second. Two requests
-    # at 0.9 a position: K = 0 makes 2 in 1.02 s (1.96 a second), 6 slots 6.88 in 3.08 s (2.23);
-    # at Θ* the 4.88 tokens more are worth 0.64 s of the 2.06 s they take.
+def test_a_step_none_of_whose_plans_reaches_the_runs_rate_takes_its_own_best_ratio() -> None:
+    # Regression: a decode step priced at the run's rate Θ* where every plan made fewer tokens a
+    # second took its shortest plan, K = 0: time saved seemed to go to other work at Θ*. The
+    # tokens it declines are its requests' next ones, made later at no better rate. A lone
+    # request whose recent text had been easier idled so through 11% of its time (T = 0, 128
+    # tokens: 241 of ~1,100 steps) until its idle steps pulled Θ* down. Verify 1 + 0.01 B, a
+    # round 2 s. Steps of 3 requests (the same kind of batch as 2) committed 3 tokens in 1.03 s:
+    # Θ* = 2.91 a second. Two requests at 0.9 a position: K = 0 makes 2 in 1.02 s (1.96 a
+    # second), 6 slots 6.88 in 3.08 s (2.23): below Θ*, so the step's own best ratio decides,
+    # whether requests wait or not.
     cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
                      draft_first=(2.0,))
     policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
@@ -476,12 +477,34 @@ def test_with_no_request_waiting_a_step_takes_its_own_best_ratio() -> None:
     assert policy.pricer.price_of_time(2) == pytest.approx(3 / 1.03)
     easy = survivals_of(torch.full((2, 3), 0.9, dtype=torch.float64))
     two = ("a", "b")
-    for queued, plan in ((None, (0, 0)), (1, (0, 0)), (0, (6, 3))):
+    for queued in (None, 1, 0):
         policy.draft_lengths([3, 3], two, queued=queued)
-        assert policy.best_plan(easy, [3, 3], cold=0.0, prompt_tokens=0) == plan, queued
-    # A step that prefills keeps Θ* though none waits: against its own pass drafts look cheap.
+        assert policy.best_plan(easy, [3, 3], cold=0.0, prompt_tokens=0) == (6, 3), queued
+    # A step that prefills keeps Θ*, none waiting or not (its prompt's pass is paid whatever it
+    # plans): the 4.88 tokens more are worth 1.68 s at Θ*, less than the 2.06 s they take.
     policy.draft_lengths([3, 3], two, prompt_tokens=100, queued=0)
     assert policy.best_plan(easy, [3, 3], cold=0.0) == (0, 0)
+
+
+def test_with_no_request_waiting_a_step_takes_its_own_best_ratio() -> None:
+    # Regression: the run's rate Θ* prices a step's time because, while requests wait, a second
+    # saved goes to other work at that rate. With none waiting it went nowhere, and at Θ* a
+    # closed batch's last requests took plans their own ratio did not pay for (4 in flight,
+    # T = 0: 2 requests priced at the 2-3-request steps' 0.75 tokens a ms idled at 0.41, where
+    # a round made 0.44). Verify 1 + 0.01 B, a round 1 s and 0.5 s a further position; steps of
+    # 3 requests committed 3 tokens in 3.5 s (the fit learns them), so Θ* = 0.86 a second. Two
+    # requests with survivals (0.9, 0.6, 0.3): 2 positions each make 5.0 tokens in 3.80 s
+    # (1.32 a second, the best ratio), the third 0.6 more in 0.52 s: 1.15 a second, above Θ*.
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.5,),
+                     draft_first=(1.0,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    time_idle_steps(policy, ("a", "b", "c"), 3.5)
+    assert policy.pricer.price_of_time(2) == pytest.approx(3 / 3.5)
+    rows = np.array([[0.9, 0.6, 0.3]] * 2)
+    two = ("a", "b")
+    for queued, plan in ((None, (6, 3)), (1, (6, 3)), (0, (4, 2))):
+        policy.draft_lengths([3, 3], two, queued=queued)
+        assert policy.best_plan(rows, [3, 3], cold=0.0, prompt_tokens=0) == plan, queued
 
 
 def test_prefill_passes_stay_out_of_the_verify_scale() -> None:
