@@ -460,6 +460,19 @@ def test_time_is_priced_at_the_runs_own_rate_once_steps_were_timed() -> None:
     assert policy.best_plan(easy, [3] * 4, cold=0.0, prompt_tokens=0) == (12, 3)
 
 
+def priced_by_idle_steps(draft_first: float, draft: float, seconds: float) -> BudgetedPolicy:
+    """A `confidence` policy over a profile of verify 1 + 0.01 B and rounds of `draft_first`
+    plus `draft` a further position, after `time_idle_steps` of 3 requests in `seconds`: its
+    price of time for batches of 2–3 is then 3 / `seconds` tokens a second."""
+    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(draft,),
+                     draft_first=(draft_first,))
+    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
+    assert isinstance(policy, BudgetedPolicy)
+    time_idle_steps(policy, ("a", "b", "c"), seconds)
+    assert policy.pricer.price_of_time(2) == pytest.approx(3 / seconds)
+    return policy
+
+
 def test_a_step_none_of_whose_plans_reaches_the_runs_rate_takes_its_own_best_ratio() -> None:
     # Regression: a decode step priced at the run's rate Θ* where every plan made fewer tokens a
     # second took its shortest plan, K = 0: time saved seemed to go to other work at Θ*. The
@@ -470,11 +483,7 @@ def test_a_step_none_of_whose_plans_reaches_the_runs_rate_takes_its_own_best_rat
     # Θ* = 2.91 a second. Two requests at 0.9 a position: K = 0 makes 2 in 1.02 s (1.96 a
     # second), 6 slots 6.88 in 3.08 s (2.23): below Θ*, so the step's own best ratio decides,
     # whether requests wait or not.
-    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.0,),
-                     draft_first=(2.0,))
-    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
-    time_idle_steps(policy, ("a", "b", "c"), 1.03)
-    assert policy.pricer.price_of_time(2) == pytest.approx(3 / 1.03)
+    policy = priced_by_idle_steps(draft_first=2.0, draft=0.0, seconds=1.03)
     easy = survivals_of(torch.full((2, 3), 0.9, dtype=torch.float64))
     two = ("a", "b")
     for queued in (None, 1, 0):
@@ -495,11 +504,7 @@ def test_with_no_request_waiting_a_step_takes_its_own_best_ratio() -> None:
     # 3 requests committed 3 tokens in 3.5 s (the fit learns them), so Θ* = 0.86 a second. Two
     # requests with survivals (0.9, 0.6, 0.3): 2 positions each make 5.0 tokens in 3.80 s
     # (1.32 a second, the best ratio), the third 0.6 more in 0.52 s: 1.15 a second, above Θ*.
-    cost = CostModel("t", verify=tuple(1.0 + 0.01 * b for b in range(1, 1025)), draft=(0.5,),
-                     draft_first=(1.0,))
-    policy = make_policy("confidence", 3, cost, AcceptanceTracker(3), a_priori=False)
-    time_idle_steps(policy, ("a", "b", "c"), 3.5)
-    assert policy.pricer.price_of_time(2) == pytest.approx(3 / 3.5)
+    policy = priced_by_idle_steps(draft_first=1.0, draft=0.5, seconds=3.5)
     rows = np.array([[0.9, 0.6, 0.3]] * 2)
     two = ("a", "b")
     for queued, plan in ((None, (6, 3)), (1, (6, 3)), (0, (4, 2))):
