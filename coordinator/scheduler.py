@@ -167,13 +167,6 @@ class BudgetedPolicy(Policy):
         if catch_up:
             times[0 if drafted else 1:] += catch_up
         price = self.pricer.price_of_time(num_reqs) if self._time_is_wanted(prompt_tokens) else None
-        if price is not None and not prompt_tokens:
-            # A decode step none of whose plans reaches Θ* (its requests in harder text than
-            # the steps Θ* was read from) is priced at its own best ratio: the tokens it would
-            # decline are its requests' next ones, made later at no better rate, not other
-            # work's. At Θ* it took its shortest plan, K = 0: a lone request (T = 0, 128
-            # tokens) idled so through 11% of its time until its idle steps pulled Θ* down.
-            price = min(price, float((tokens / times).max()))
         # What the run commits is Σ tokens / Σ seconds over its steps, maximised by each step's
         # argmax of tokens − Θ* · seconds at the run's own rate Θ* (Dinkelbach; with the work
         # fixed, prompts' passes are paid whatever is chosen, so Θ* is the rate of decoding),
@@ -185,6 +178,13 @@ class BudgetedPolicy(Policy):
         # at the run's rate (16 in flight, T = 1: 11.5 drafts verified a step against 37
         # priced at Θ*, 1.015x against 1.035x `off` side by side).
         # (Before steps of this kind were timed, price is None: each step's own ratio.)
+        if price is not None and not prompt_tokens:
+            # A decode step none of whose plans reaches Θ* (its requests in harder text than
+            # the steps Θ* was read from) is priced at its own best ratio: the tokens it would
+            # decline are its requests' next ones, made later at no better rate, not other
+            # work's. At Θ* it took its shortest plan, K = 0: a lone request (T = 0, 128
+            # tokens) idled so through 11% of its time until its idle steps pulled Θ* down.
+            price = min(price, float((tokens / times).max()))
         value = tokens / times if price is None else tokens - price * times
         best = int(value.argmax())  # the first maximum: the shallowest, smallest K on ties
         if drafted is None:
