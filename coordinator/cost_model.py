@@ -157,7 +157,8 @@ def _lookup_many(table: np.ndarray, n: np.ndarray) -> np.ndarray:
 def smooth_profile(grid: list[int], values: list[float], dense_up_to: int) -> list[float]:
     """`values` measured at sizes `grid` (every size up to `dense_up_to`, sparser beyond),
     replaced by a least-squares piecewise-linear fit through knots at 1, `dense_up_to` / 2,
-    `dense_up_to`, then at each doubling of it and at the largest size.
+    `dense_up_to`, then at each doubling of it and at the largest size; the knot at
+    `dense_up_to` / 2 only where the timings need it (`_kink_is_needed`).
 
     Timed one by one, neighbouring sizes differ by more noise (±5–10% of a step on a shared
     CPU) than by their true cost (one more token or request), and the monotone fit then pools
@@ -171,17 +172,58 @@ def smooth_profile(grid: list[int], values: list[float], dense_up_to: int) -> li
     about linear on a CPU) and lose the noise; this engine captures no CUDA graphs, whose
     sizes would be real steps."""
     xs = np.asarray(grid, dtype=np.float64)
-    knots = [1, max(1, dense_up_to // 2), dense_up_to]
+    ys = np.asarray(values, dtype=np.float64)
+    knots = [1, dense_up_to]
+    if _kink_is_needed(xs, ys, dense_up_to):
+        knots.insert(1, dense_up_to // 2)
     while knots[-1] < grid[-1]:
         knots.append(min(2 * knots[-1], grid[-1]))
-    knots = sorted(set(k for k in knots if k <= grid[-1]))
+    knots = sorted(set(min(k, grid[-1]) for k in knots))
     if len(knots) < 2:
         return list(values)
-    basis = np.stack([_hat(xs, knots, i) for i in range(len(knots))], axis=1)  # [n, knots]
-    coef, *_ = np.linalg.lstsq(basis, np.asarray(values, dtype=np.float64), rcond=None)
+    fitted, _ = _knot_fit(xs, ys, knots)
     # Never below the cheapest size measured: a line through noise can dip under it at an end
     # (below zero for a per-position cost measured near 0).
-    return [float(f) for f in np.maximum(basis @ coef, min(values))]
+    return [float(f) for f in np.maximum(fitted, min(values))]
+
+
+# The dense sizes' middle knot (a change of slope) stays only where dropping it raises their
+# residual sum of squares by this F ratio: about the 1% level for the 10–15 residual degrees
+# of freedom of sizes 1..16 (1..8 for drafting rounds: ~2.5%).
+KINK_F = 10.0
+
+
+def _kink_is_needed(xs: np.ndarray, ys: np.ndarray, dense_up_to: int) -> bool:
+    """Whether the sizes timed one by one (up to `dense_up_to`) need their slope to change at
+    `dense_up_to` / 2: an F test of a line through them against two segments.
+
+    Noise at sizes timed one by one sets such a change as readily as the hardware does. The
+    demo target's verify profile (one thread, 5 repeats) came out at 0.30 ms a token between
+    1 and 8 tokens and 0.03 between 8 and 16, where passes cost ~0.27 and ~0.16 a token timed
+    again (15 repeats): at 4 in flight, plans of 9–16 tokens saw their further drafts nearly
+    free, and at 1 in flight deep plans looked dear. Timed again, the second segment cut the
+    residual by F = 3–5 (a line, then); a GPU's flat-then-rising pass by F in the thousands.
+    The sparse knots beyond are each fitted over several sizes 8 apart, and stay."""
+    half = dense_up_to // 2
+    dense = xs <= dense_up_to
+    if half <= 1 or dense.sum() <= 3:
+        return half > 1
+    x, y = xs[dense], ys[dense]
+    _, rss_two = _knot_fit(x, y, [1, half, dense_up_to])
+    _, rss_line = _knot_fit(x, y, [1, dense_up_to])
+    rise = rss_line - rss_two
+    exact = float(y @ y) * 1e-18  # a residual this small is an exact fit (noise-free timings)
+    return rise > (KINK_F * rss_two / (x.size - 3) if rss_two > exact else exact)
+
+
+def _knot_fit(xs: np.ndarray, ys: np.ndarray, knots: list[int]) -> tuple[np.ndarray, float]:
+    """The least-squares piecewise-linear fit through `knots` at `xs`, and its residual sum of
+    squares."""
+    basis = np.stack([_hat(xs, knots, i) for i in range(len(knots))], axis=1)  # [n, knots]
+    coef, *_ = np.linalg.lstsq(basis, ys, rcond=None)
+    fitted = basis @ coef
+    resid = ys - fitted
+    return fitted, float(resid @ resid)
 
 
 def _hat(xs: np.ndarray, knots: list[int], i: int) -> np.ndarray:

@@ -80,8 +80,9 @@ def profile(target: DecoderLM, drafter: DecoderLM | None, b_max: int = 128, n_ma
 
 
 # Part of the cache key: a new method, or verbs made faster (v16: drafting rounds timed at the
-# profiled context, `_Contexts`), never reads old files.
-PROFILE_VERSION = "workers-v16"
+# profiled context, `_Contexts`; v17: the dense sizes' middle knot only where the timings need
+# it, `cost_model._kink_is_needed`), never reads old files.
+PROFILE_VERSION = "workers-v17"
 CATCH_UP = 2  # committed tokens a profiled drafting round feeds first (A + 1 of a typical step)
 # Committed tokens a scratch request may gain over the profiled context before it is prefilled
 # afresh (`_Contexts`): the rounds are timed at `context` to `context` + CONTEXT_SLACK tokens
