@@ -206,8 +206,8 @@ def _kink_is_needed(xs: np.ndarray, ys: np.ndarray, dense_up_to: int) -> bool:
     The sparse knots beyond are each fitted over several sizes 8 apart, and stay."""
     half = dense_up_to // 2
     dense = xs <= dense_up_to
-    if half <= 1 or dense.sum() <= 3:
-        return half > 1
+    if half <= 1 or dense.sum() <= 3:  # no middle knot, or no residual left to test it by:
+        return half > 1                 # as before the test (a knot wherever there is room)
     x, y = xs[dense], ys[dense]
     _, rss_two = _knot_fit(x, y, [1, half, dense_up_to])
     _, rss_line = _knot_fit(x, y, [1, dense_up_to])
