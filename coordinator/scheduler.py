@@ -229,9 +229,9 @@ class BudgetedPolicy(Policy):
         margin keeps reading every plan: on the CPU, with the draft model at 4 in flight,
         T = 1, reading decode steps only cut the drafts it verified 4x.)"""
         if not prompt_tokens:
-            self.exploration.flip = flip_error(
+            self.exploration.note_flip(flip_error(
                 float(times[0]), float(tokens[best] / times[best]), float(value[best]),
-                num_reqs, price)
+                num_reqs, price))
         if value.size == 1:  # no plan drafts (no request may draft): none to explore
             self.exploration.round_flip = float("inf")
             return None

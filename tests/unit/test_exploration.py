@@ -252,3 +252,30 @@ def test_an_exploration_of_rounds_keeps_the_probes_backoff() -> None:
     assert stretches >= 2  # the case explores rounds
     assert sum(d > 0 for _, d in budgets) > stretches * EXPLORE_STEPS  # and probes
     assert backoff == sorted(backoff)  # the backoff only grows: the budget never speculates
+
+
+def test_one_hard_block_does_not_interrupt_speculation_that_pays_to_measure_k0() -> None:
+    # Regression: K = 0 was measured whenever the last step's plan came within EXPLORE_ERROR of
+    # it; a lone request's plans follow its stale row, so one hard block sufficed (T = 0, 128
+    # tokens: 54 of 1,753 steps idle in 18 stretches where each step's margin had a median of
+    # 2.0). The margin read is the median of the last FLIP_WINDOW decode steps'.
+    from dspark.coordinator.exploration import (
+        EXPLORE_ERROR,
+        FLIP_WINDOW,
+        IDLE_EVIDENCE,
+        Exploration,
+    )
+    from dspark.coordinator.step_time_fit import StepTimeFit
+
+    fit = StepTimeFit()  # one pass, after a round: nothing known of a pass without one
+    fit.add(1.0, 0.5, 1, seconds=1.6, verify_seconds=1.0, draft_seconds=0.5, after_round=True)
+    assert fit.knows_verify and fit.idle_weight < IDLE_EVIDENCE
+    far, near = 3 * EXPLORE_ERROR, EXPLORE_ERROR / 5
+    steady = Exploration()
+    for margin in [far] * (FLIP_WINDOW - 1) + [near]:
+        steady.note_flip(margin)
+    assert not steady.explores_idle(False, fit, False)
+    close = Exploration()
+    for margin in [near] * (FLIP_WINDOW // 2 + 1) + [far] * (FLIP_WINDOW // 2 - 1):
+        close.note_flip(margin)
+    assert close.explores_idle(False, fit, False)
