@@ -116,11 +116,12 @@ class Exploration:
         EXPLORE_ERROR too dear, far beyond any such error.
 
         The margin is the median over recent decode steps (`flip`), not the last step's: one
-        step's plan follows its stale row, and a few hard blocks bring any plan near K = 0. Read
-        from the last step at 1.0, a lone request (T = 0, 128 tokens; per-step margins 0.3 /
-        2.0 / 36 at the 5th / 50th / 95th percentile) gave up 54 of its 1,753 steps to 18
-        stretches, each step 1 token in 14 ms where its steps with drafts made 3.7 in 27 ms:
-        0.8% of the run, a third of its gap to fixed k = 7."""
+        step's plan follows its stale row, and a few hard blocks bring any plan near K = 0 (a
+        lone request, T = 0: per-step margins 0.3 / 2.0 / 36 at the 5th / 50th / 95th
+        percentile), so whether K = 0 was measured hung on the one step at which the evidence
+        faded. Where the median itself sits below EXPLORE_ERROR the stretches stay: at 1 in
+        flight, T = 0, on a host where a step with drafts made ~1.7x the tokens a ms of one
+        without, 18 stretches of 3 in 1,753 steps, 0.8% of the run (docs/scheduler.md)."""
         if prefills:
             return False
         if self.explore_left > 0:
